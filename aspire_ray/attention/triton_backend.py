@@ -1,0 +1,53 @@
+"""The Triton attention backend: paged attention, KV store and page scoring as Triton kernels.
+
+Importing this module registers it as "triton"; it needs only triton (on a CPU, the kernels run
+under ``TRITON_INTERPRET=1``, slowly, which is how CI tests them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.kv_store import store_kv
+from aspire_ray.kernels.page_scores import token_max_probs
+from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+
+from .backend import AttentionBackend, register_backend
+
+
+class TritonBackend(AttentionBackend):
+    """Triton kernels over the shared paged KV layout; plans are cached on each PagedKVMeta."""
+
+    name = "triton"
+
+    def __init__(self, config: AttentionConfig = DEFAULT_CONFIG) -> None:
+        self.config = config
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        store_kv(k, v, kv_cache, slot_mapping)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedKVMeta,
+        scale: float,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return paged_attention(q, kv_cache, meta, scale, return_lse, self.config)
+
+    def token_max_probs(
+        self,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedKVMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        return token_max_probs(q, lse, kv_cache, meta, scale)
+
+
+register_backend("triton", TritonBackend)

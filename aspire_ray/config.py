@@ -1,0 +1,119 @@
+"""Engine configuration: one frozen dataclass per concern, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPEC_MODES = ("ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire")
+DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # Pool size: explicit page count wins; else a byte budget; else a fraction of free GPU
+    # memory (cuda) or 1 GiB (cpu).
+    num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+                 f"page_size must be a power of two >= 1, got {self.page_size}")
+        _require(self.num_pages is None or self.num_pages >= 2,
+                 f"num_pages must be >= 2, got {self.num_pages}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # query tokens per step (prefill chunks + decode rows)
+    max_model_len: int | None = None  # defaults to the model's max positions
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 32,
+                 f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings (DESIGN.md §1). Defaults follow the paper."""
+
+    mode: str = "ar"
+    k_min: int = 32  # min sparse pages
+    rho: float = 0.07  # sparse fraction of pages
+    recent_pages: int = 8  # L: most recent pages always in S_i
+    keep_sink_page: bool = True  # the first page (attention sink) is always in S_i
+    refresh_layer: int | None = None  # l_r; None -> num_layers - 2
+    gamma: int = 5  # fixed draft length of the synchronized modes
+    d_max: int = 16
+    gamma_init: int = 3  # drafts before a request's first verification (aspire)
+    alpha_init: float = 0.8  # initial acceptance estimate (aspire, aspire_fsm)
+    alpha_ema: float = 0.8  # alpha <- ema * alpha + (1 - ema) * alpha_hat
+    fsm_min: int = 1
+    fsm_max: int = 16
+    # Cost model: refit online every N steps from measured step times.
+    refit_every: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.mode in SPEC_MODES, f"spec_mode must be one of {SPEC_MODES}, got {self.mode!r}")
+        _require(self.k_min >= 1, f"k_min must be >= 1, got {self.k_min}")
+        _require(0.0 < self.rho <= 1.0, f"rho must be in (0, 1], got {self.rho}")
+        _require(self.recent_pages >= 1, f"recent_pages must be >= 1, got {self.recent_pages}")
+        _require(self.recent_pages + int(self.keep_sink_page) <= self.k_min,
+                 f"k_min ({self.k_min}) must hold the {self.recent_pages} recent pages"
+                 + (" and the sink page" if self.keep_sink_page else ""))
+        _require(1 <= self.gamma <= 64, f"gamma must be in [1, 64], got {self.gamma}")
+        _require(1 <= self.d_max <= 64, f"d_max must be in [1, 64], got {self.d_max}")
+        _require(0 <= self.gamma_init <= self.d_max,
+                 f"gamma_init must be in [0, d_max={self.d_max}], got {self.gamma_init}")
+        _require(0.0 < self.alpha_init < 1.0, f"alpha_init must be in (0, 1), got {self.alpha_init}")
+        _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+        _require(1 <= self.fsm_min <= self.fsm_max <= 64,
+                 f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "ar"
+
+    @property
+    def synchronized(self) -> bool:
+        return self.mode in ("magicdec", "specattn", "aspire_fixed")
+
+    @property
+    def refresh_while_drafting(self) -> bool:
+        return self.mode in ("aspire_fixed", "aspire_fsm", "aspire")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp_size: int = 1
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    tokenizer: str | None = None  # defaults to the model's own
+    # For load_format="dummy": a HF config (dict) or a path/alias whose config is used.
+    hf_overrides: dict = field(default_factory=dict)
+    seed: int = 0  # weights of dummy models
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.load_format in LOAD_FORMATS,
+                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _require(self.device.split(":")[0] in ("cpu", "cuda"),
+                 f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

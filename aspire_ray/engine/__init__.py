@@ -1,0 +1,1 @@
+"""The driver side: requests, page allocator, scheduler, engine loop. Never touches CUDA."""

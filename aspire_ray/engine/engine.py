@@ -1,0 +1,245 @@
+"""The engine loop: schedule -> execute on the workers -> commit tokens, stop, free pages.
+
+``step()`` is the whole life of a step; the engine never touches model code or CUDA (it reaches
+workers only through an Executor with plan/output data objects).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+
+from aspire_ray.config import EngineConfig
+from aspire_ray.executor import Executor, make_executor
+from aspire_ray.model import loader
+from aspire_ray.outputs import RequestOutput
+from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput
+from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
+from aspire_ray.spec.cost_model import CostModel
+from aspire_ray.spec.draft_policy import DraftPolicy
+
+from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .request import Request, Status
+from .scheduler import Scheduler
+
+
+def load_tokenizer(cfg: EngineConfig):
+    """The tokenizer of the model (or cfg.tokenizer); None for dummy models without one."""
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.model
+    try:
+        source = loader.resolve(name)
+    except FileNotFoundError:
+        if cfg.load_format == "dummy":
+            return None
+        raise
+    if not source.has_tokenizer:
+        return None
+    return AutoTokenizer.from_pretrained(str(source.hf_dir))
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, executor: Executor | None = None,
+                 tokenizer=None) -> None:
+        self.cfg = cfg
+        self.executor = executor or make_executor(cfg)
+        info = self.executor.describe()
+        self.info = info
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        self.detok = Detokenizer(self.tokenizer)
+        self.eos_token_ids = set(info["eos_token_ids"])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = min(cfg.scheduler.max_model_len or info["max_position_embeddings"],
+                                 info["max_position_embeddings"])
+        self.blocks = BlockManager(info["num_pages"], cfg.cache.page_size)
+        self.cost_model = CostModel()
+        self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random()
+        self.step_count = 0
+        self.timings: dict[str, float] = defaultdict(float)  # seconds, summed over steps
+        self.step_kinds: dict[str, int] = defaultdict(int)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        vocab = self.info["vocab_size"]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens")
+        pool_tokens = self.blocks.num_pages * self.blocks.page_size
+        if len(ids) + params.max_tokens + self.cfg.spec.d_max > pool_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs more KV than the whole pool ({pool_tokens} tokens)")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        spec = SamplingSpec(float(params.temperature), int(params.top_k), float(params.top_p),
+                            seed)
+        req = Request(request_id, ids, params, spec, time.time())
+        req.metrics.prompt_tokens = len(ids)
+        req.metrics.arrival_time = req.arrival_time
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.status != Status.FINISHED:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that changed (new tokens or finished)."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.rows and not plan.dropped_req_ids:
+            return []
+        t1 = time.perf_counter()
+        out = self.executor.execute(plan)
+        t2 = time.perf_counter()
+        changed = self._commit(plan.rows, out)
+        t3 = time.perf_counter()
+        self._record(plan.rows, out, schedule=t1 - t0, execute=t2 - t1, commit=t3 - t2)
+        return [self._output(r) for r in changed]
+
+    def _commit(self, rows: list[RowPlan], out: StepOutput) -> list[Request]:
+        changed = []
+        now = time.time()
+        for row, res in zip(rows, out.results, strict=True):
+            req = self.requests.get(row.req_id)
+            if req is None or req.status != Status.RUNNING:
+                continue
+            if row.kind == RowKind.DRAFT:
+                req.drafts.append(res.tokens[0])
+                req.metrics.drafted += 1
+                req.metrics.decode_steps += 1
+                continue
+            if row.kind == RowKind.PREFILL:
+                req.num_computed += row.num_tokens
+            else:
+                self._account_verify(req, row, res)
+                req.num_computed = row.start_pos + 1 + res.num_accepted
+                req.drafts = []
+            if res.tokens:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                self._append(req, res.tokens)
+                changed.append(req)
+            if req.status == Status.RUNNING:
+                self.scheduler.truncate_pages(req)
+        return changed
+
+    def _account_verify(self, req: Request, row: RowPlan, res: RowResult) -> None:
+        d, a = row.num_drafts, res.num_accepted
+        m = req.metrics
+        m.decode_steps += 1
+        if d == 0:
+            return
+        m.verifications += 1
+        m.accepted += a
+        m.gamma_history.append(d)
+        while len(m.drafted_by_position) < d:
+            m.drafted_by_position.append(0)
+            m.accepted_by_position.append(0)
+        for j in range(d):
+            m.drafted_by_position[j] += 1
+            m.accepted_by_position[j] += int(j < a)
+        self.policy.on_verified(req, d, a)
+
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        """Commit tokens one by one, applying stop conditions to committed tokens only."""
+        p = req.params
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.metrics.generated_tokens += 1
+            if token in stop_ids:
+                self._finish(req, "stop")
+                break
+            if p.stop:
+                old_len = len(req.text)
+                req.text = self.detok.decode(req.output_token_ids)
+                hit = self.detok.find_stop(req.text, p.stop, old_len)
+                if hit is not None:
+                    start, stop = hit
+                    req.text = req.text[: start + (len(stop) if p.include_stop_str_in_output
+                                                  else 0)]
+                    self._finish(req, "stop", decode=False)
+                    break
+            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self._finish(req, "length")
+                break
+
+    def _finish(self, req: Request, reason: str, decode: bool = True) -> None:
+        if decode:
+            req.text = self.detok.decode(req.output_token_ids)
+        req.metrics.finish_time = time.time()
+        self.scheduler.finish(req, reason)
+
+    def _record(self, rows: list[RowPlan], out: StepOutput, **driver_times: float) -> None:
+        self.step_count += 1
+        for k, v in {**driver_times, **out.timings}.items():
+            self.timings[k] += v
+        kinds = {row.kind for row in rows}
+        label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
+        self.step_kinds[label] += 1
+        n_tokens = sum(r.num_tokens for r in rows)
+        kv = sum(self.policy.sparse_tokens(r.context_len) if r.kind == RowKind.DRAFT
+                 else r.context_len for r in rows)
+        if rows and "forward" in out.timings:
+            self.cost_model.add_sample(n_tokens, kv, out.timings["forward"])
+            if self.step_count % self.cfg.spec.refit_every == 0:
+                self.cost_model.fit()
+
+    # ---- outputs and stats -------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.status == Status.FINISHED
+        if finished:
+            self.requests.pop(req.req_id, None)
+        elif not req.params.stop:
+            req.text = self.detok.decode(req.output_token_ids)
+        return RequestOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
+                             req.text, finished, req.finish_reason, req.metrics)
+
+    def stats(self) -> dict:
+        c = self.cost_model.coef
+        return {
+            "steps": self.step_count,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": self.blocks.num_pages,
+            "pages_used": self.blocks.num_used,
+            "preemptions": self.scheduler.num_preemptions,
+            "timings": dict(self.timings),
+            "step_kinds": dict(self.step_kinds),
+            "cost_model": {"b_model": c.b_model, "b_tok": c.b_tok, "b_kv": c.b_kv, "r2": c.r2,
+                           "samples": self.cost_model.num_samples},
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,59 @@
+"""Driver-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from aspire_ray.outputs import RequestMetrics
+from aspire_ray.plan import SamplingSpec
+from aspire_ray.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Token bookkeeping (DESIGN.md §1.3): committed tokens x_1..x_n = prompt + output;
+    ``num_computed`` tokens have exact KV (n - 1 once decoding); ``drafts`` are pending draft
+    tokens whose approximate KV is written for all but the last."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingSpec
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    drafts: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # block table (global page ids)
+    synced_pages: int = 0  # prefix of `pages` the workers hold
+    worker_known: bool = False  # workers hold per-request state
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # speculation state (owned by the draft policy)
+    alpha: float = 0.0
+    fsm_gamma: int = 0
+    verified_once: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)

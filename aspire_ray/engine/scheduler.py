@@ -1,0 +1,158 @@
+"""Continuous batching without phases (vLLM v1 style) plus per-request speculation.
+
+Each step every running request gets at most one row: a prefill chunk (catching
+``num_computed`` up to its committed tokens), or, once decoding, the action its draft policy
+picks (draft / verify / idle). Waiting requests are admitted FCFS while the token budget,
+``max_num_seqs`` and free pages allow. When pages run out, the most recently admitted running
+request is preempted: its pages are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from aspire_ray.config import SchedulerConfig
+from aspire_ray.plan import RowKind, RowPlan, StepPlan
+from aspire_ray.spec.draft_policy import Action, DraftPolicy
+
+from .block_manager import BlockManager
+from .request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, max_model_len: int, blocks: BlockManager,
+                 policy: DraftPolicy) -> None:
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.blocks = blocks
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._dropped: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- membership --------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.policy.on_admit(req)
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a request for good (stop, length, abort, error) and free its pages."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.req_id, req.pages)
+        req.pages, req.synced_pages = [], 0
+        if req.worker_known:
+            self._dropped.append(req.req_id)
+            req.worker_known = False
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.drafts = []
+        req.status = Status.WAITING
+        req.metrics.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def truncate_pages(self, req: Request) -> None:
+        """Return pages past the exact KV (after a verification rejected drafts)."""
+        keep = self.blocks.pages_for(req.num_computed + len(req.drafts))
+        if keep < len(req.pages):
+            self.blocks.free(req.req_id, req.pages[keep:])
+            del req.pages[keep:]
+            req.synced_pages = min(req.synced_pages, keep)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def draft_cap(self, req: Request) -> int:
+        """Most drafts the request may hold: a verification commits up to d + 1 tokens."""
+        return max(0, min(self.policy.cfg.d_max, req.remaining_tokens - 1,
+                          self.max_model_len - req.num_tokens))
+
+    def schedule(self) -> StepPlan:
+        budget = self.cfg.max_num_batched_tokens
+        rows: list[RowPlan] = []
+        new_requests = {}
+        decoding = [r for r in self.running if not r.in_prefill]
+        actions = dict(zip((r.req_id for r in decoding),
+                           self.policy.decide(decoding, [self.draft_cap(r) for r in decoding]),
+                           strict=True))
+        for req in list(self.running):
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            row = self._row_for(req, actions.get(req.req_id), budget)
+            if row is None:
+                continue
+            if not self._ensure_pages(req, row.context_len):
+                continue  # req itself was preempted
+            rows.append(self._attach_pages(req, row))
+            budget -= row.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            row = self._row_for(req, None, budget)
+            need = self.blocks.pages_for(row.context_len) - len(req.pages)
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = Status.RUNNING
+            req.worker_known = True
+            new_requests[req.req_id] = req.sampling
+            req.pages += self.blocks.allocate(req.req_id, need)
+            rows.append(self._attach_pages(req, row))
+            budget -= row.num_tokens
+        self._step_id += 1
+        plan = StepPlan(self._step_id, rows, new_requests, self._dropped)
+        self._dropped = []
+        return plan
+
+    def _row_for(self, req: Request, action: Action | None, budget: int) -> RowPlan | None:
+        if req.in_prefill or action is None:
+            n = min(req.num_tokens - req.num_computed, budget)
+            if n <= 0:
+                return None
+            start = req.num_computed
+            tokens = req.all_token_ids[start : start + n]
+            return RowPlan(req.req_id, RowKind.PREFILL, tokens, start, 0, [],
+                           sample=start + n == req.num_tokens)
+        last = req.num_tokens - 1
+        if action == Action.IDLE:
+            return None
+        if action == Action.DRAFT:
+            token = req.drafts[-1] if req.drafts else req.all_token_ids[-1]
+            return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [])
+        tokens = [req.all_token_ids[-1]] + req.drafts
+        if len(tokens) > budget:
+            return None
+        return RowPlan(req.req_id, RowKind.VERIFY, tokens, last, 0, [],
+                       num_drafts=len(req.drafts))
+
+    def _ensure_pages(self, req: Request, context_len: int) -> bool:
+        need = self.blocks.pages_for(context_len) - len(req.pages)
+        while not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.blocks.allocate(req.req_id, need)
+        return True
+
+    def _attach_pages(self, req: Request, row: RowPlan) -> RowPlan:
+        row.pages_keep = req.synced_pages
+        row.pages_new = req.pages[req.synced_pages :]
+        req.synced_pages = len(req.pages)
+        return row

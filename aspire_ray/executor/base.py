@@ -1,0 +1,45 @@
+"""Executor interface: the engine's only way to reach workers (plan in, output out)."""
+
+from __future__ import annotations
+
+from aspire_ray.config import EngineConfig
+from aspire_ray.plan import StepOutput, StepPlan
+
+
+class WorkerDiedError(RuntimeError):
+    """A shard worker is gone: in-flight requests fail, the engine reports unhealthy."""
+
+
+class Executor:
+    def describe(self) -> dict:
+        """Facts about the shards (num_pages = the minimum over ranks, model limits, device)."""
+        raise NotImplementedError
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class LocalExecutor(Executor):
+    """tp_size 1: the worker lives in the driver's process."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from aspire_ray.worker.worker import Worker
+
+        self.worker = Worker(cfg)
+
+    def describe(self) -> dict:
+        return self.worker.describe()
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.worker.execute(plan)
+
+
+def make_executor(cfg: EngineConfig) -> Executor:
+    if cfg.tp_size == 1:
+        return LocalExecutor(cfg)
+    from .ray_executor import RayExecutor
+
+    return RayExecutor(cfg)

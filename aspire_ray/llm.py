@@ -1,0 +1,82 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from .engine.engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+_SPEC_KEYS = {f for f in SpecConfig.__dataclass_fields__ if f != "mode"}
+_CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
+_SCHED_KEYS = set(SchedulerConfig.__dataclass_fields__)
+
+
+def build_engine_config(model: str = "smollm2-135m-instruct", *, spec_mode: str = "ar",
+                        **kwargs) -> EngineConfig:
+    """Flat keyword arguments (as users pass them) -> the composed EngineConfig."""
+    spec = {k: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_KEYS}
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+    return EngineConfig(model=model, spec=SpecConfig(mode=spec_mode, **spec),
+                        cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+
+
+class LLM:
+    """Offline batched generation.
+
+    >>> llm = LLM(model="smollm2-135m-instruct", spec_mode="aspire")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32",
+                 device: str = "cpu", spec_mode: str = "ar", tp_size: int = 1,
+                 load_format: str = "auto", page_size: int = 16, **kwargs) -> None:
+        cfg = build_engine_config(model, spec_mode=spec_mode, dtype=dtype, device=device,
+                                  tp_size=tp_size, load_format=load_format, page_size=page_size,
+                                  **kwargs)
+        self.engine = LLMEngine(cfg)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,162 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families (flags from ModelArch).
+
+The model knows nothing of scheduling: attention goes through an ``AttentionPlan`` object
+(built by the worker once per step) that stores K/V into the paged cache and attends with
+each layer's page lists. Shapes: T = tokens of the flattened ragged batch.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aspire_ray.tp import TPGroup
+from aspire_ray.tp.group import shard_heads
+from aspire_ray.tp.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+from .arch import ModelArch
+from .rotary import RotaryEmbedding
+
+
+class AttentionPlan(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after RoPE) -> attention output [T, Hq, D]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm (fp32 statistics) for exact fp32 parity.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.layer = layer
+        self.q_heads, self.kv_heads, kv_start = shard_heads(arch.num_heads, arch.num_kv_heads, tp)
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, self.q_heads,
+                                          self.kv_heads, kv_start, arch.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        False, tp)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(self, x, positions, rotary, plan: AttentionPlan, kv_cache):
+        t = x.shape[0]
+        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.q_heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = plan.attend(self.layer, q, k, v, kv_cache, self.scale)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer, tp)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, tp)
+
+    def forward(self, x, positions, rotary, plan, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, plan, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding -> N decoder layers -> final norm; ``compute_logits`` for selected tokens."""
+
+    # HF checkpoint name -> (our parameter name, shard id for fused layers)
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArch, tp: TPGroup) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta,
+                                      arch.max_position_embeddings, arch.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, plan, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (full vocab on every rank)."""
+        return self.lm_head.logits(hidden).float()
+
+    def load_weights(self, weights) -> set[str]:
+        """Load (hf_name, full tensor) pairs; returns the names of parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            shard_id = None
+            for hf_part, (ours, sid) in self.STACKED.items():
+                if f".{hf_part}." in name:
+                    name, shard_id = name.replace(hf_part, ours), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(name)
+            if name == "embed_tokens.weight" and self.arch.tie_word_embeddings:
+                self.lm_head.load_shard(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
+        return loaded

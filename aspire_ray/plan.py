@@ -1,0 +1,85 @@
+"""The small data objects that cross the driver -> worker boundary, once per step.
+
+Only these cross process/actor boundaries (never tensors or live Request objects).
+Notation (DESIGN.md §1.3): x_1..x_n committed, KV exact for x_1..x_{n-1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RowKind(IntEnum):
+    PREFILL = 0  # a chunk of known tokens, full causal attention; samples at the end if `sample`
+    DRAFT = 1  # input x_n or the last draft, sparse attention, emits one draft token
+    VERIFY = 2  # input [x_n, d_1..d_d], full attention, d >= 0 (d = 0: plain AR decode)
+
+
+class Stream(IntEnum):
+    """Independent random streams of the counter-based sampler (see worker/sampler.py)."""
+
+    TARGET = 0
+    DRAFT = 1
+    ACCEPT = 2
+    RESIDUAL = 3
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What the worker needs of SamplingParams (the seed is always set by the driver)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RowPlan:
+    req_id: str
+    kind: RowKind
+    token_ids: list[int]  # this row's input tokens
+    start_pos: int  # position of token_ids[0]; the row's KV context is start_pos + len(token_ids)
+    pages_keep: int  # truncate the worker's block table to this many pages first ...
+    pages_new: list[int]  # ... then append these page ids
+    sample: bool = True  # PREFILL: sample a token after the last input token
+    num_drafts: int = 0  # VERIFY: d, so token_ids = [x_n, d_1..d_d]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    rows: list[RowPlan]
+    new_requests: dict[str, SamplingSpec] = field(default_factory=dict)  # req_id -> sampling
+    dropped_req_ids: list[str] = field(default_factory=list)  # finished/aborted/preempted
+
+
+@dataclass
+class RowResult:
+    req_id: str
+    kind: RowKind
+    # PREFILL (sample) / VERIFY: tokens to commit = accepted drafts + one target token.
+    # DRAFT: [the new draft token]. PREFILL without sample: [].
+    tokens: list[int]
+    num_accepted: int = 0  # VERIFY: drafts accepted
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    results: list[RowResult]
+    # seconds: "forward", "sample", "prepare", "total" (worker-side)
+    timings: dict[str, float] = field(default_factory=dict)

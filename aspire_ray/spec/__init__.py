@@ -1,0 +1,1 @@
+"""Speculation decisions on the driver: acceptance estimates, cost model, draft lengths."""

@@ -1,0 +1,78 @@
+"""Draft page-selection policies: which of a request's pages a sparse draft row attends to.
+
+A policy maps (page scores or None, page count P) to logical page indices, the recent pages
+last (so the partly filled last page lines up with ``kv_last_page_len``). Budget
+(DESIGN.md §1.1): k = max(k_min, ceil(rho * P)) pages; if P <= k the full list (exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aspire_ray.config import SpecConfig
+
+
+class PageSelector:
+    """Base policy. ``uses_scores``: whether refresh-layer scores feed it."""
+
+    uses_scores = False
+
+    def __init__(self, cfg: SpecConfig) -> None:
+        self.cfg = cfg
+
+    def budget(self, num_pages: int) -> int:
+        return max(self.cfg.k_min, math.ceil(self.cfg.rho * num_pages))
+
+    def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
+        raise NotImplementedError
+
+
+class StreamingWindow(PageSelector):
+    """StreamingLLM (MagicDec's draft): the sink page plus the most recent pages, k in all."""
+
+    def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
+        k = self.budget(num_pages)
+        if num_pages <= k:
+            return list(range(num_pages))
+        return [0] + list(range(num_pages - (k - 1), num_pages))
+
+
+class TopKPages(PageSelector):
+    """Top-scoring pages by refresh-layer attention, plus the sink and the L recent pages.
+
+    scores: float32 [P_scored] (P_scored may lag P by the pages added since scoring; those are
+    recent pages anyway). Without scores yet, falls back to the streaming window.
+    """
+
+    uses_scores = True
+
+    def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
+        k = self.budget(num_pages)
+        if num_pages <= k:
+            return list(range(num_pages))
+        recent_start = num_pages - self.cfg.recent_pages
+        sink = [0] if self.cfg.keep_sink_page else []
+        first_candidate = len(sink)
+        n_top = k - self.cfg.recent_pages - len(sink)
+        if scores is None:
+            middle = list(range(recent_start - n_top, recent_start))
+        else:
+            cand = torch.zeros(recent_start - first_candidate, dtype=torch.float32)
+            have = min(scores.shape[0], recent_start) - first_candidate
+            if have > 0:
+                cand[:have] = scores[first_candidate : first_candidate + have].float().cpu()
+            # ties broken by lower page index (stable, identical on every rank)
+            top = torch.sort(cand, descending=True, stable=True).indices[:n_top]
+            middle = sorted((top + first_candidate).tolist())
+        return sink + middle + list(range(recent_start, num_pages))
+
+
+def make_selector(cfg: SpecConfig) -> PageSelector | None:
+    """The policy of a spec mode (DESIGN.md §1.6); None for plain autoregressive decoding."""
+    if cfg.mode == "ar":
+        return None
+    if cfg.mode == "magicdec":
+        return StreamingWindow(cfg)
+    return TopKPages(cfg)

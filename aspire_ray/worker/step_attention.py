@@ -1,0 +1,74 @@
+"""Per-step attention plan: which page lists each layer uses, and the refresh layer.
+
+Built once per step by the model runner and handed to the model (``AttentionPlan``). Layers
+before the refresh layer l_r use ``meta_pre`` (draft rows over their current sparse pages, other
+rows over all pages); l_r runs ``meta_refresh`` (full attention for every row that is scored)
+and returns the log-sum-exp, from which the scoring queries' page scores are computed; the
+callback re-selects the sparse pages and returns ``meta_post`` for the layers after l_r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from aspire_ray.attention import AttentionBackend
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.tp import TPGroup
+
+
+@dataclass
+class ScoringQueries:
+    """The queries whose refresh-layer attention scores pages.
+
+    token_index: [S] int64 indices into the step's flattened tokens.
+    meta: one row per scoring query, listing the pages visible to that query.
+    """
+
+    token_index: torch.Tensor
+    meta: PagedKVMeta
+
+
+class StepAttention:
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        tp: TPGroup,
+        slot_mapping: torch.Tensor,
+        meta_pre: PagedKVMeta,
+        refresh_layer: int,
+        meta_refresh: PagedKVMeta | None = None,
+        scoring: ScoringQueries | None = None,
+        on_scores: Callable[[torch.Tensor], PagedKVMeta] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tp = tp
+        self.slot_mapping = slot_mapping
+        self.meta_pre = meta_pre
+        self.meta_post = meta_pre
+        self.refresh_layer = refresh_layer
+        self.meta_refresh = meta_refresh or meta_pre
+        self.scoring = scoring
+        self.on_scores = on_scores
+        self.refresh_seconds = 0.0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        self.backend.store_kv(k, v, kv_cache, self.slot_mapping)
+        if layer < self.refresh_layer:
+            return self.backend.attention(q, kv_cache, self.meta_pre, scale)
+        if layer > self.refresh_layer:
+            return self.backend.attention(q, kv_cache, self.meta_post, scale)
+        if self.scoring is None:
+            return self.backend.attention(q, kv_cache, self.meta_refresh, scale)
+        out, lse = self.backend.attention(q, kv_cache, self.meta_refresh, scale, return_lse=True)
+        idx = self.scoring.token_index
+        token_probs = self.backend.token_max_probs(q[idx], lse[idx], kv_cache,
+                                                   self.scoring.meta, scale)
+        # max over ALL query heads: this rank holds only its own heads
+        token_probs = self.tp.all_reduce_max(token_probs)
+        page_scores = token_probs.sum(dim=-1)  # [nnz_pages] float32
+        self.meta_post = self.on_scores(page_scores)
+        return out

@@ -1,0 +1,111 @@
+"""Triton per-token max attention probability over a row's listed pages (refresh-layer scoring).
+
+Meaning: ``reference.token_max_probs_ref``. Shapes (R rows, Hq/Hkv heads, D head dim):
+    q:        [R, Hq, D]          one query per row, same dtype as the cache
+    lse:      [R, Hq] float32     natural-log log-sum-exp of that query's full attention
+    kv_cache: [P, 2, ps, Hkv, D]
+    out:      [nnz_pages, ps] float32: (p, u) = max_h exp(scale * q_h . k_u - lse_h); 0 past kv_len
+
+A program owns BLOCK_N consecutive listed tokens of one row and loops over the kv heads, so
+each key is read once and the GQA group's queries share it. Row r's output occupies the flat
+range [kv_indptr[r] * ps, kv_indptr[r + 1] * ps), which the programs cover exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import PagedKVMeta
+from .paged_attention import check_cache, check_meta, check_q, host_to_device, interpreting, mma
+
+_LOG2E = 1.4426950408889634
+BLOCK_N = 64  # tokens per program
+
+
+@triton.jit
+def _token_max_probs_kernel(
+    q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, num_items, kv_indptr_ptr, kv_indices_ptr,
+    last_len_ptr, stride_qr, stride_qh, stride_lr, stride_kp, stride_ks, stride_kh, scale_log2,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    wid = tl.program_id(0)
+    row = tl.load(work_ptr + wid)
+    start = tl.load(work_ptr + num_items + wid)
+    page_lo = tl.load(kv_indptr_ptr + row)
+    n_slots = (tl.load(kv_indptr_ptr + row + 1) - page_lo) * PAGE_SIZE
+    kv_len = n_slots - PAGE_SIZE + tl.load(last_len_ptr + row)
+
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < kv_len
+    page = tl.load(kv_indices_ptr + page_lo + n // PAGE_SIZE, mask=n_ok, other=0)
+    k_off = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks
+    d = tl.arange(0, HEAD_DIM)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    best = tl.zeros([BLOCK_N], tl.float32)
+    for h in tl.static_range(NUM_KV_HEADS):
+        k = tl.load(kv_ptr + k_off[:, None] + h * stride_kh + d[None, :], mask=n_ok[:, None],
+                    other=0.0)  # fmt: skip
+        heads = h * GROUP + g
+        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None], other=0.0)  # fmt: skip
+        lse = tl.load(lse_ptr + row * stride_lr + heads, mask=g_ok, other=float("inf"))
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
+        s -= lse[:, None] * 1.4426950408889634
+        best = tl.maximum(best, tl.max(tl.exp2(s), 0))  # padding heads: exp2(-inf) = 0
+    best = tl.where(n_ok, best, 0.0)
+    tl.store(out_ptr + page_lo.to(tl.int64) * PAGE_SIZE + n, best, mask=n < n_slots)
+
+
+def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, int]:
+    """int32 [2, W] (row, first token) per program; cached on the metadata object."""
+    cache = meta.__dict__.setdefault("_triton_score_work", {})
+    if BLOCK_N not in cache:
+        kvp, ps = meta.kv_indptr_host, meta.page_size
+        rows, starts = [], []
+        for r in range(meta.num_rows):
+            for start in range(0, (kvp[r + 1] - kvp[r]) * ps, BLOCK_N):
+                rows.append(r)
+                starts.append(start)
+        host, dev = host_to_device(rows + starts, meta.kv_indptr.device)
+        cache[BLOCK_N] = (dev.view(2, len(rows)), len(rows), host)
+    work, num_items, _ = cache[BLOCK_N]
+    return work, num_items
+
+
+def token_max_probs(
+    q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float
+) -> torch.Tensor:
+    """q [R, Hq, D], lse [R, Hq] float32 -> float32 [nnz_pages, page_size] (0 past kv_len)."""
+    check_q(q, kv_cache)
+    check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
+    check_meta(meta, q.device)
+    r, hq, d = q.shape
+    if r != meta.num_rows:
+        raise ValueError(f"q has {r} rows (one query per row) but meta has {meta.num_rows} rows")
+    if lse.shape != (r, hq) or lse.dtype != torch.float32 or lse.stride(1) != 1:
+        raise ValueError(
+            f"lse must be float32 [{r}, {hq}] with contiguous heads, got {lse.dtype} "
+            f"{tuple(lse.shape)} strides {lse.stride()}"
+        )
+    hkv = kv_cache.shape[3]
+    group = hq // hkv
+    ps = meta.page_size
+    out = torch.empty(meta.kv_indices.shape[0], ps, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    work, num_items = _work(meta)
+    _token_max_probs_kernel[(num_items,)](
+        q, lse, kv_cache, out, work, num_items, meta.kv_indptr, meta.kv_indices,
+        meta.kv_last_page_len, q.stride(0), q.stride(1), lse.stride(0), kv_cache.stride(0),
+        kv_cache.stride(2), kv_cache.stride(3), scale * _LOG2E,
+        NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d, PAGE_SIZE=ps, BLOCK_N=BLOCK_N,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

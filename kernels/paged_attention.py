@@ -1,0 +1,371 @@
+"""Triton paged attention over ragged mixed batches (decode, verify and prefill rows in one call).
+
+Meaning: ``reference.paged_attention_ref``. Shapes (T query tokens, Hq/Hkv heads, D head dim):
+    q:        [T, Hq, D]             bf16 / fp16 / fp32, last dim contiguous
+    kv_cache: [P, 2, ps, Hkv, D]     same dtype as q, last dim contiguous
+    out:      [T, Hq, D]             q's dtype;  lse: [T, Hq] float32 (natural log)
+
+Work decomposition, planned once per ``PagedKVMeta`` from its host copies (no device sync) and
+cached on it, so every layer of a step reuses it:
+- A program owns one kv head and a block of BLOCK_M "query rows", a row being one (query token,
+  q head of that kv head's group): the GQA group shares every K/V tile it loads.
+- BLOCK_M is the next power of two of a row's query rows, clamped to [block_m_min, block_m_max]:
+  decode rows use a small tile, verify rows a medium one, prefill chunks the largest; rows of
+  equal BLOCK_M share one launch.
+- Split-KV (flash-decoding): a row's page list is cut into chunks of about equal size so that
+  the launch has ~``waves`` programs per SM even when few long rows are present. Each chunk
+  writes a normalised partial output and its log-sum-exp; a merge kernel combines them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import PagedKVMeta
+
+_LOG2E = 1.4426950408889634
+_CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes and launch parameters (defaults chosen on an H200: scripts/bench_kernels.py)."""
+
+    block_m_min: int = 16  # smallest query-row tile (decode rows)
+    block_m_max: int = 64  # largest query-row tile (prefill chunks)
+    block_n: int = 64  # KV tokens per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: float = 4.0  # target programs per SM; rows are split to reach it
+    min_chunk_pages: int = 16  # never split a row into chunks smaller than this
+    split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
+    kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
+
+    def __post_init__(self) -> None:
+        for name in ("block_m_min", "block_m_max", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.block_m_min > self.block_m_max:
+            raise ValueError(f"block_m_min {self.block_m_min} > block_m_max {self.block_m_max}")
+        if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
+            raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot; UPCAST computes in fp32 instead (exact for 16-bit inputs): Triton's interpreter
+    multiplies bf16 operands as their raw uint16 bits."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, work_ptr, num_items,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, last_len_ptr,
+    stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_ot, stride_oh,
+    num_q_heads, num_part, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    wid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # work item: row, first query token, KV token range [kv_lo, kv_hi), split index, partial base
+    row = tl.load(work_ptr + wid)
+    q_first = tl.load(work_ptr + num_items + wid)
+    kv_lo = tl.load(work_ptr + 2 * num_items + wid)
+    kv_hi = tl.load(work_ptr + 3 * num_items + wid)
+    split = tl.load(work_ptr + 4 * num_items + wid)
+    part_base = tl.load(work_ptr + 5 * num_items + wid)
+
+    qo_start = tl.load(qo_indptr_ptr + row)
+    n_q = tl.load(qo_indptr_ptr + row + 1) - qo_start
+    page_lo = tl.load(kv_indptr_ptr + row)
+    n_pages = tl.load(kv_indptr_ptr + row + 1) - page_lo
+    kv_len = (n_pages - 1) * PAGE_SIZE + tl.load(last_len_ptr + row)
+
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    m = tl.arange(0, BLOCK_M)
+    tok = q_first + m // GROUP
+    head = kvh * GROUP + m % GROUP
+    row_ok = (m // GROUP < TOKENS) & (tok < n_q)
+    q_pos = kv_len - n_q + tok  # causal: query tok sees KV tokens <= q_pos
+    d = tl.arange(0, HEAD_DIM)
+    q_off = (qo_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    last_tok = tl.minimum(q_first + TOKENS, n_q) - 1
+    hi = tl.minimum(kv_hi, kv_len - n_q + last_tok + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    head_off = kvh * stride_kh
+    for start in range(kv_lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(kv_indices_ptr + page_lo + n // PAGE_SIZE, mask=n_ok, other=0)
+        k_off = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + head_off
+        k = tl.load(kv_ptr + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v_ptrs = kv_ptr + stride_kkv + k_off[:, None] + d[None, :]
+        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    # log2 units; -inf where this chunk is fully masked (and for padding rows)
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    if split < 0:
+        o_off = (qo_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])  # fmt: skip
+        if RETURN_LSE:
+            l_off = (qo_start + tok).to(tl.int64) * num_q_heads + head
+            tl.store(lse_ptr + l_off, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        p_off = (split * num_part + part_base + tok).to(tl.int64) * num_q_heads + head
+        tl.store(opart_ptr + p_off[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+        tl.store(lpart_ptr + p_off, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, num_part, stride_ot, stride_oh,
+    num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr,
+):  # fmt: skip
+    pt = tl.program_id(0)
+    tok = tl.load(merge_ptr + pt).to(tl.int64)
+    n_splits = tl.load(merge_ptr + num_part + pt)
+    h = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
+    h_ok = h < num_q_heads
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEAD_BLOCK], tl.float32)
+    acc = tl.zeros([HEAD_BLOCK, HEAD_DIM], tl.float32)
+    for s in range(n_splits):
+        p_off = (s * num_part + pt).to(tl.int64) * num_q_heads + h
+        lse_s = tl.load(lpart_ptr + p_off, mask=h_ok, other=float("-inf"))
+        o_s = tl.load(opart_ptr + p_off[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None],
+                      other=0.0)  # fmt: skip
+        m_new = tl.maximum(m_i, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lse_s - m_safe)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real head
+    l_i = tl.where(h_ok, l_i, 1.0)
+    out = acc / l_i[:, None]
+    o_off = tok * stride_ot + h * stride_oh
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None])  # fmt: skip
+    if RETURN_LSE:
+        tl.store(lse_ptr + tok * num_q_heads + h, (m_i + tl.log2(l_i)) * 0.6931471805599453,
+                 mask=h_ok)  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    """Device work lists for one (meta, group, kv heads, config); int32 views of one buffer."""
+
+    launches: list[tuple[torch.Tensor, int, int]]  # (work [6, W], W, block_m) per launch
+    merge: torch.Tensor | None  # [2, num_part]: output token, number of splits
+    num_part: int  # query tokens of split rows (rows of the partial buffers)
+    max_splits: int
+    host: torch.Tensor  # keeps the pinned source of the async copy alive
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def host_to_device(rows: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One host->device copy without a device sync (pinned source, non_blocking)."""
+    host = torch.tensor(rows, dtype=torch.int32)
+    if device.type != "cuda":
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
+def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
+    qo, kvp, ps = meta.qo_indptr_host, meta.kv_indptr_host, meta.page_size
+    device = meta.qo_indptr.device
+    rows = []  # (row, n_q, n_pages, kv_len, block_m, query tokens per block, blocks)
+    work_pages = 0
+    for r in range(meta.num_rows):
+        n_q, n_pages = qo[r + 1] - qo[r], kvp[r + 1] - kvp[r]
+        block_m = triton.next_power_of_2(n_q * group)
+        block_m = min(cfg.block_m_max, max(cfg.block_m_min, block_m))
+        tokens = block_m // group
+        blocks = -(-n_q // tokens)
+        rows.append((r, n_q, n_pages, meta.kv_len_host(r), block_m, tokens, blocks))
+        work_pages += n_pages * blocks
+    if cfg.kv_chunk_pages is not None:
+        chunk = cfg.kv_chunk_pages
+    else:
+        target = cfg.waves * _num_sms(device)
+        chunk = max(cfg.min_chunk_pages, math.ceil(work_pages * hkv / target))
+    items: dict[int, list[tuple[int, ...]]] = {}  # block_m -> work items
+    merge_tok, merge_splits = [], []
+    for r, n_q, n_pages, kv_len, block_m, tokens, blocks in rows:
+        splits = -(-n_pages // chunk) if n_q <= cfg.split_max_q else 1
+        if splits == 1:
+            bounds, part_base = [(0, kv_len, -1)], 0
+        else:
+            per = -(-n_pages // splits)  # pages per chunk, balanced
+            splits = -(-n_pages // per)
+            bounds = [(s * per * ps, min((s + 1) * per * ps, kv_len), s) for s in range(splits)]
+            part_base = len(merge_tok)
+            merge_tok.extend(range(qo[r], qo[r + 1]))
+            merge_splits.extend([splits] * n_q)
+        for b in range(blocks):
+            for lo, hi, s in bounds:
+                items.setdefault(block_m, []).append((r, b * tokens, lo, hi, s, part_base))
+    launches_host, flat = [], []
+    for block_m, block_items in sorted(items.items()):
+        launches_host.append((len(flat), len(block_items), block_m))
+        for col in zip(*block_items, strict=True):
+            flat.extend(col)
+    merge_at = len(flat)
+    flat.extend(merge_tok)
+    flat.extend(merge_splits)
+    host, dev = host_to_device(flat, device)
+    launches = [(dev[at : at + 6 * w].view(6, w), w, bm) for at, w, bm in launches_host]
+    merge = dev[merge_at:].view(2, len(merge_tok)) if merge_tok else None
+    max_splits = max(merge_splits, default=1)
+    return _Plan(launches, merge, len(merge_tok), max_splits, host)
+
+
+def _plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
+    # Cached on the metadata object: it is built once per step and never mutated.
+    cache = meta.__dict__.setdefault("_triton_attention_plans", {})
+    key = (group, hkv, cfg)
+    if key not in cache:
+        cache[key] = _build_plan(meta, group, hkv, cfg)
+    return cache[key]
+
+
+def check_meta(meta: PagedKVMeta, device: torch.device) -> None:
+    """Host copies must exist (planning must not sync) and index tensors be int32 on device."""
+    if meta.qo_indptr_host is None or meta.kv_indptr_host is None:
+        raise ValueError("PagedKVMeta needs its *_host copies (build it with PagedKVMeta.build)")
+    if meta.kv_last_page_len_host is None:
+        raise ValueError("PagedKVMeta needs kv_last_page_len_host")
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
+            raise ValueError(
+                f"meta.{name} must be a contiguous int32 tensor on {device}, "
+                f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
+            )
+
+
+def check_cache(kv_cache: torch.Tensor, page_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [P, 2, ps, Hkv, D], got {tuple(kv_cache.shape)}")
+    if kv_cache.shape[2] != page_size or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} does not match page_size {page_size} "
+            f"and head_dim {head_dim}"
+        )
+    if kv_cache.dtype != dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {dtype}")
+    if kv_cache.stride(4) != 1:
+        raise ValueError(f"kv_cache last dim must be contiguous, strides {kv_cache.stride()}")
+
+
+def check_q(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q dtype must be bf16, fp16 or fp32, got {q.dtype}")
+    d = q.shape[2]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q last dim must be contiguous, strides {q.stride()}")
+    if q.device != kv_cache.device:
+        raise ValueError(f"q on {q.device} but kv_cache on {kv_cache.device}")
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"{q.shape[1]} q heads are not a multiple of {kv_cache.shape[3]} kv heads")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedKVMeta,
+    scale: float,
+    return_lse: bool = False,
+    config: AttentionConfig = DEFAULT_CONFIG,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] over kv_cache [P, 2, ps, Hkv, D] -> out [T, Hq, D] (, lse [T, Hq] float32)."""
+    check_q(q, kv_cache)
+    check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
+    check_meta(meta, q.device)
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    if t != meta.qo_indptr_host[-1]:
+        raise ValueError(f"q has {t} tokens but meta.qo_indptr ends at {meta.qo_indptr_host[-1]}")
+    group = hq // hkv
+    if config.block_m_max < group:  # a tile holds at least one token's whole group
+        big = triton.next_power_of_2(group)
+        config = replace(config, block_m_min=big, block_m_max=big)
+    out = torch.empty_like(q)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=q.device) if return_lse else out
+    if t == 0:
+        return (out, lse) if return_lse else out
+    plan = _plan(meta, group, hkv, config)
+    if plan.num_part:
+        opart = torch.empty(plan.max_splits, plan.num_part, hq, d, dtype=torch.float32,
+                            device=q.device)  # fmt: skip
+        lpart = torch.empty(plan.max_splits, plan.num_part, hq, dtype=torch.float32,
+                            device=q.device)  # fmt: skip
+    else:
+        opart = lpart = out  # never written
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    for work, num_items, block_m in plan.launches:
+        _attn_kernel[(num_items, hkv)](
+            q, kv_cache, out, lse, opart, lpart, work, num_items,
+            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.stride(3), out.stride(0), out.stride(1), hq, plan.num_part, scale * _LOG2E,
+            GROUP=group, HEAD_DIM=d, PAGE_SIZE=meta.page_size, BLOCK_M=block_m,
+            BLOCK_N=config.block_n, RETURN_LSE=return_lse, DOT_PRECISION=precision,
+            UPCAST=interpreting(),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    if plan.merge is not None:
+        head_block = min(triton.next_power_of_2(hq), max(1, 4096 // d))
+        _merge_kernel[(plan.num_part, triton.cdiv(hq, head_block))](
+            out, lse, opart, lpart, plan.merge, plan.num_part, out.stride(0), out.stride(1), hq,
+            HEAD_DIM=d, HEAD_BLOCK=head_block, RETURN_LSE=return_lse, num_warps=4,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out

