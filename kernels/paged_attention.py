@@ -19,6 +19,7 @@ cached on it, so every layer of a step reuses it:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -39,11 +40,11 @@ class AttentionConfig:
 
     block_m_min: int = 16  # smallest query-row tile (decode rows)
     block_m_max: int = 64  # largest query-row tile (prefill chunks)
-    block_n: int = 64  # KV tokens per tile
+    block_n: int = 128  # KV tokens per tile (capped for prefill tiles, fp32 and head_dim > 128)
     num_warps: int = 4
     num_stages: int = 3
-    waves: float = 4.0  # target programs per SM; rows are split to reach it
-    min_chunk_pages: int = 16  # never split a row into chunks smaller than this
+    waves: float = 8.0  # target programs per SM; rows are split to reach it
+    min_chunk_pages: int = 32  # never split a row into chunks smaller than this
     split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
     kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
 
@@ -61,8 +62,9 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU tests)."""
+    """True under TRITON_INTERPRET=1 (CPU tests); read once, as triton.jit reads it at import."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -71,8 +73,10 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """tl.dot; UPCAST computes in fp32 instead (exact for 16-bit inputs): Triton's interpreter
     multiplies bf16 operands as their raw uint16 bits."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
 
 
 @triton.jit
@@ -155,8 +159,11 @@ def _attn_kernel(
 @triton.jit
 def _merge_kernel(
     out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, num_part, stride_ot, stride_oh,
-    num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr,
+    num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):  # fmt: skip
+    # One program per (split query token, HEAD_BLOCK heads); SPLIT_BLOCK splits are loaded at
+    # once, so a row split 100 ways merges in a few dependent steps rather than 100.
     pt = tl.program_id(0)
     tok = tl.load(merge_ptr + pt).to(tl.int64)
     n_splits = tl.load(merge_ptr + num_part + pt)
@@ -166,17 +173,19 @@ def _merge_kernel(
     m_i = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([HEAD_BLOCK], tl.float32)
     acc = tl.zeros([HEAD_BLOCK, HEAD_DIM], tl.float32)
-    for s in range(n_splits):
-        p_off = (s * num_part + pt).to(tl.int64) * num_q_heads + h
-        lse_s = tl.load(lpart_ptr + p_off, mask=h_ok, other=float("-inf"))
-        o_s = tl.load(opart_ptr + p_off[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None],
-                      other=0.0)  # fmt: skip
-        m_new = tl.maximum(m_i, lse_s)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + tl.arange(0, SPLIT_BLOCK)
+        ok = (s < n_splits)[:, None] & h_ok[None, :]  # [SPLIT_BLOCK, HEAD_BLOCK]
+        p_off = (s[:, None] * num_part + pt).to(tl.int64) * num_q_heads + h[None, :]
+        lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"))
+        o_s = tl.load(opart_ptr + p_off[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=ok[:, :, None], other=0.0)  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(lse_s - m_safe)
-        acc = acc * alpha[:, None] + o_s * beta[:, None]
-        l_i = l_i * alpha + beta
+        w = tl.exp2(lse_s - m_safe[None, :])
+        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
         m_i = m_new
     # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real head
     l_i = tl.where(h_ok, l_i, 1.0)
@@ -198,6 +207,13 @@ class _Plan:
     num_part: int  # query tokens of split rows (rows of the partial buffers)
     max_splits: int
     host: torch.Tensor  # keeps the pinned source of the async copy alive
+
+
+def _block_n(cfg: AttentionConfig, block_m: int, head_dim: int, elem_size: int) -> int:
+    """KV tile length: a K or V tile stays within 32 KiB (16 KiB beside a prefill q tile), which
+    keeps the pipelined stages inside shared memory and the accumulators in registers."""
+    cap = (32768 if block_m <= 32 else 16384) // (head_dim * elem_size)
+    return max(16, min(cfg.block_n, cap))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -358,14 +374,15 @@ def paged_attention(
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), out.stride(0), out.stride(1), hq, plan.num_part, scale * _LOG2E,
             GROUP=group, HEAD_DIM=d, PAGE_SIZE=meta.page_size, BLOCK_M=block_m,
-            BLOCK_N=config.block_n, RETURN_LSE=return_lse, DOT_PRECISION=precision,
-            UPCAST=interpreting(),
+            BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
+            DOT_PRECISION=precision, UPCAST=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     if plan.merge is not None:
-        head_block = min(triton.next_power_of_2(hq), max(1, 4096 // d))
+        # few heads per program: with one long row the merge must still spread over the SMs
+        head_block = min(triton.next_power_of_2(hq), max(1, 256 // d))
         _merge_kernel[(plan.num_part, triton.cdiv(hq, head_block))](
             out, lse, opart, lpart, plan.merge, plan.num_part, out.stride(0), out.stride(1), hq,
-            HEAD_DIM=d, HEAD_BLOCK=head_block, RETURN_LSE=return_lse, num_warps=4,
+            HEAD_DIM=d, HEAD_BLOCK=head_block, SPLIT_BLOCK=16, RETURN_LSE=return_lse, num_warps=4,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -7,9 +7,9 @@ Measures, side by side in one run (bf16, decode rows of one query each):
 - torch SDPA over the same KV gathered into contiguous tensors (the gather itself is timed apart);
 - the refresh-layer scoring kernel (token_max_probs) against one full attention layer.
 Every timing is the median over ``--reps`` runs with CUDA events, L2 flushed before each run.
-Optionally (``--sweep``) the kernel configuration is tuned first on a few shapes.
+Optionally (``--sweep splits|all``) the kernel configuration is tuned first on a few shapes.
 
-    python scripts/bench_kernels.py --out bench_kernels.json
+    python scripts/bench_kernels.py --sweep splits --out bench_kernels.json
 """
 
 from __future__ import annotations
@@ -20,15 +20,23 @@ import math
 import statistics
 import time
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-
 from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.page_scores import token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
 
 GIB = 1 << 30
+DEVICE = "cuda"
+# (context, batch) shapes the sweep tunes on: decode batches that fill the GPU, then few long rows
+SWEEP_FILLED = [(16384, 128), (32768, 32)]
+SWEEP_FEW = [(32768, 1), (65536, 4), (16384, 16)]
+# (block_n, num_warps, num_stages) candidates
+SWEEP_TILES = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
+               (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)]  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,9 +51,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--sparse-frac", type=float, default=0.08)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--pool-gib", type=float, default=80.0, help="KV pool size (memory permitting)")
-    p.add_argument("--sdpa-max-gib", type=float, default=24.0, help="largest gathered K+V for SDPA")
-    p.add_argument("--sweep", action="store_true", help="tune the kernel config first")
+    p.add_argument("--pool-gib", type=float, default=64.0, help="KV pool size (memory permitting)")
+    p.add_argument("--sdpa-max-gib", type=float, default=16.0, help="largest gathered K+V for SDPA")
+    p.add_argument(
+        "--sweep",
+        choices=["none", "splits", "all"],
+        default="none",
+        help="tune the kernel config first: split sizes only, or tiles then split sizes",
+    )
     return p.parse_args()
 
 
@@ -55,13 +68,15 @@ class Timer:
     def __init__(self, reps: int) -> None:
         self.reps = reps
         # 1 GiB: evicts the 60 MB L2 and keeps the GPU busy while the host enqueues the next run
-        self.flush = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+        self.flush = torch.empty(GIB, dtype=torch.uint8, device=DEVICE)
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, reps: int | None = None) -> float:
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(self.reps)]
+        events = [
+            (torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps or self.reps)
+        ]
         for start, end in events:
             self.flush.zero_()
             start.record()
@@ -73,17 +88,20 @@ class Timer:
 
 def copy_bandwidth(timer: Timer) -> float:
     """GB/s of a 4 GiB device-to-device copy, counting bytes read and written."""
-    src = torch.randn(GIB, dtype=torch.float32, device="cuda")
+    src = torch.randn(GIB, dtype=torch.float32, device=DEVICE)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    del src, dst
+    ms = timer(partial(dst.copy_, src))
     return 2 * 4 * GIB / ms / 1e6
 
 
 def make_meta(page_table: torch.Tensor, kv_len: int, page_size: int) -> PagedKVMeta:
     """Decode rows (1 query each) over page_table [B, n] (physical page ids), kv_len tokens each."""
     b, n = page_table.shape
-    qo, kvp, last = list(range(b + 1)), list(range(0, (b + 1) * n, n)), [kv_len - (n - 1) * page_size]
+    qo, kvp, last = (
+        list(range(b + 1)),
+        list(range(0, (b + 1) * n, n)),
+        [kv_len - (n - 1) * page_size],
+    )
     dev = page_table.device
     as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)
     return PagedKVMeta(
@@ -116,14 +134,22 @@ def sdpa_baseline(q, kv_cache, page_table, kv_len, timer):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def gather():
-        kv = kv_cache[page_table.long()]  # [B, n, 2, ps, Hkv, D]
-        kv = kv.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)[:, :, :, :kv_len]  # [2, B, Hkv, L, D]
-        return kv[0].contiguous(), kv[1].contiguous()
+        b, n = page_table.shape
+        kv = []
+        for i in (0, 1):
+            x = kv_cache[:, i][page_table.long()]  # [B, n, ps, Hkv, D]
+            x = x.permute(0, 3, 1, 2, 4).reshape(b, x.shape[3], -1, x.shape[4])
+            kv.append(x[:, :, :kv_len].contiguous())  # [B, Hkv, L, D]
+        return kv
 
     gather_ms = timer(gather)
     k, v = gather()
     qs = q[:, :, None]  # [B, Hq, 1, D]
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    backends = [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+    ]
     with sdpa_kernel(backends):
         fn = lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
         out = fn()[:, :, 0]
@@ -131,7 +157,7 @@ def sdpa_baseline(q, kv_cache, page_table, kv_len, timer):
     return ms, gather_ms, out
 
 
-def sweep(kv_cache, pool_pages, a, timer, gen) -> tuple[AttentionConfig, list[dict]]:
+def sweep(kv_cache, pool_pages, a, timer, gen, tiles) -> tuple[AttentionConfig, list[dict]]:
     """Tune tile sizes on decode shapes that fill the GPU, then split sizes on few long rows."""
     results = []
 
@@ -139,36 +165,56 @@ def sweep(kv_cache, pool_pages, a, timer, gen) -> tuple[AttentionConfig, list[di
         bws = []
         for ctx, b in shapes:
             n = ctx // a.page_size
-            table = torch.randperm(pool_pages, generator=gen)[: b * n].view(b, n).cuda()
+            table = torch.randperm(pool_pages, generator=gen)[: b * n].view(b, n).to(DEVICE)
             meta = make_meta(table, ctx, a.page_size)
-            q = torch.randn(b, a.q_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
-            ms = timer(lambda: paged_attention(q, kv_cache, meta, 0.1, config=cfg))
+            q = torch.randn(b, a.q_heads, a.head_dim, dtype=torch.bfloat16, device=DEVICE)
+            ms = timer(partial(paged_attention, q, kv_cache, meta, 0.1, config=cfg), reps=10)
             bws.append(attention_bytes(b, ctx, a) / ms / 1e6)
         gmean = math.exp(sum(map(math.log, bws)) / len(bws))
         results.append({"config": asdict(cfg), "shapes": shapes, "gbps": bws, "gmean_gbps": gmean})
         print(f"  sweep {cfg}: {' '.join(f'{x:.0f}' for x in bws)} GB/s (gmean {gmean:.0f})")
         return gmean
 
-    filled = [(16384, 128), (32768, 32)]
+    best = DEFAULT_CONFIG
+    if tiles:
+        best = max(
+            (replace(best, block_n=bn, num_warps=w, num_stages=s) for bn, w, s in SWEEP_TILES),
+            key=lambda cfg: score(cfg, SWEEP_FILLED),
+        )
     best = max(
-        (
-            replace(DEFAULT_CONFIG, block_n=bn, num_warps=w, num_stages=s)
-            for bn in (32, 64, 128)
-            for w in (4, 8)
-            for s in (2, 3, 4)
-        ),
-        key=lambda cfg: score(cfg, filled),
-    )
-    few = [(32768, 1), (65536, 4), (16384, 16)]
-    best = max(
-        (
-            replace(best, waves=w, min_chunk_pages=m)
-            for w in (2.0, 4.0, 8.0, 16.0)
-            for m in (8, 16, 32)
-        ),
-        key=lambda cfg: score(cfg, few),
+        (replace(best, waves=w, min_chunk_pages=m) for w in (4.0, 8.0, 16.0) for m in (8, 16, 32)),
+        key=lambda cfg: score(cfg, SWEEP_FEW),
     )
     return best, results
+
+
+def host_overheads(kv_cache, pool_pages, a, config, gen) -> dict[str, float]:
+    """Host time of one call (plan cached) on a 1-row 4k shape whose GPU time is tiny: the
+    wrapper's checks plus Triton's launch path, which CUDA graphs remove."""
+    n = min(256, pool_pages)
+    table = torch.randperm(pool_pages, generator=gen)[:n].view(1, n).to(DEVICE)
+    meta = make_meta(table, n * a.page_size, a.page_size)
+    q = torch.randn(1, a.q_heads, a.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    _, lse = paged_attention(q, kv_cache, meta, 0.1, return_lse=True)
+    k = torch.randn(1, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    one_launch = replace(config, kv_chunk_pages=1 << 30)
+    calls = {
+        "attention_split": partial(paged_attention, q, kv_cache, meta, 0.1, config=config),
+        "attention_one_launch": partial(paged_attention, q, kv_cache, meta, 0.1, config=one_launch),
+        "token_max_probs": partial(token_max_probs, q, lse, kv_cache, meta, 0.1),
+        "store_kv": partial(store_kv, k, k, kv_cache, slots),
+    }
+    result = {}
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        result[name] = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+    return result
 
 
 def main() -> None:
@@ -185,15 +231,15 @@ def main() -> None:
     pool_bytes = min(a.pool_gib * GIB, free - 30 * GIB)
     pool_pages = int(pool_bytes // page_bytes)
     kv_cache = torch.empty(
-        pool_pages, 2, a.page_size, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device="cuda"
+        pool_pages, 2, a.page_size, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device=DEVICE
     )
     for chunk in kv_cache.split(1 << 14):
         chunk.normal_()
     print(f"KV pool: {pool_pages} pages of {a.page_size} tokens ({pool_bytes / GIB:.0f} GiB)")
 
     config, sweep_results = DEFAULT_CONFIG, []
-    if a.sweep:
-        config, sweep_results = sweep(kv_cache, pool_pages, a, timer, gen)
+    if a.sweep != "none":
+        config, sweep_results = sweep(kv_cache, pool_pages, a, timer, gen, a.sweep == "all")
         print(f"chosen config: {config}")
 
     rows, check = [], None
@@ -204,17 +250,17 @@ def main() -> None:
             if b * n > pool_pages:
                 print(f"skip ctx {ctx} batch {b}: needs {b * n * page_bytes / GIB:.0f} GiB of KV")
                 continue
-            table = torch.randperm(pool_pages, generator=gen)[: b * n].view(b, n).cuda()
+            table = torch.randperm(pool_pages, generator=gen)[: b * n].view(b, n).to(DEVICE)
             meta = make_meta(table, ctx, a.page_size)
             sparse = sparse_table(table, a.sparse_frac, gen)
             sparse_len = (sparse.shape[1] - 1) * a.page_size + a.page_size
             smeta = make_meta(sparse, sparse_len, a.page_size)
-            q = torch.randn(b, a.q_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
+            q = torch.randn(b, a.q_heads, a.head_dim, dtype=torch.bfloat16, device=DEVICE)
 
-            full_ms = timer(lambda: paged_attention(q, kv_cache, meta, scale, config=config))
-            sparse_ms = timer(lambda: paged_attention(q, kv_cache, smeta, scale, config=config))
+            full_ms = timer(partial(paged_attention, q, kv_cache, meta, scale, config=config))
+            sparse_ms = timer(partial(paged_attention, q, kv_cache, smeta, scale, config=config))
             out, lse = paged_attention(q, kv_cache, meta, scale, return_lse=True, config=config)
-            score_ms = timer(lambda: token_max_probs(q, lse, kv_cache, meta, scale))
+            score_ms = timer(partial(token_max_probs, q, lse, kv_cache, meta, scale))
             row = {
                 "context": ctx,
                 "batch": b,
@@ -227,7 +273,7 @@ def main() -> None:
                 "score_over_full": score_ms / full_ms,
             }
             kv_gib = 2 * b * ctx * a.kv_heads * a.head_dim * 2 / GIB
-            if kv_gib <= a.sdpa_max_gib and torch.cuda.mem_get_info()[0] > (kv_gib + 8) * GIB:
+            if kv_gib <= a.sdpa_max_gib and torch.cuda.mem_get_info()[0] > (2 * kv_gib + 4) * GIB:
                 try:
                     sdpa_ms, gather_ms, sdpa_out = sdpa_baseline(q, kv_cache, table, ctx, timer)
                     row.update(sdpa_ms=sdpa_ms, gather_ms=gather_ms)
@@ -247,17 +293,8 @@ def main() -> None:
                 f"{row['score_over_full']:.2f}"
             )
 
-    # host cost of one call (plan cached), on a shape whose GPU time is tiny
-    table = torch.randperm(pool_pages, generator=gen)[:256].view(1, 256).cuda()
-    meta = make_meta(table, 4096, a.page_size)
-    q = torch.randn(1, a.q_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
-    paged_attention(q, kv_cache, meta, scale, config=config)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        paged_attention(q, kv_cache, meta, scale, config=config)
-    host_us = (time.perf_counter() - t0) / 200 * 1e6
-    torch.cuda.synchronize()
+    host_us = host_overheads(kv_cache, pool_pages, a, config, gen)
+    print("host us per call: " + ", ".join(f"{k} {v:.0f}" for k, v in host_us.items()))
 
     result = {
         "device": props.name,
@@ -274,7 +311,7 @@ def main() -> None:
         },
         "copy_gbps": copy_gbps,
         "config": asdict(config),
-        "host_us_per_attention_call": host_us,
+        "host_us_per_call": host_us,
         "max_abs_diff_vs_sdpa": check,
         "rows": rows,
         "sweep": sweep_results,
@@ -286,12 +323,14 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     copy = r["copy_gbps"]
-    print(f"\n{r['device']}  copy {copy:.0f} GB/s  host {r['host_us_per_attention_call']:.0f} us/call")
+    host = r["host_us_per_call"]["attention_split"]
+    print(f"\n{r['device']}  copy {copy:.0f} GB/s  host {host:.0f} us per attention call")
     print("   ctx    B |  full GB/s  %copy | sparse GB/s %copy |  SDPA GB/s | score/full")
     for x in r["rows"]:
         sd = f"{x['sdpa_gbps']:10.0f}" if "sdpa_gbps" in x else "         -"
         print(
-            f"{x['context']:6d} {x['batch']:4d} | {x['full_gbps']:10.0f} {x['full_gbps'] / copy:6.0%}"
+            f"{x['context']:6d} {x['batch']:4d} | {x['full_gbps']:10.0f}"
+            f" {x['full_gbps'] / copy:6.0%}"
             f" | {x['sparse_gbps']:10.0f} {x['sparse_gbps'] / copy:5.0%} | {sd} |"
             f" {x['score_over_full']:10.2f}"
         )

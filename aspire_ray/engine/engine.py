@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from aspire_ray.config import EngineConfig
 from aspire_ray.executor import Executor, make_executor
+from aspire_ray.executor.base import WorkerDiedError
 from aspire_ray.model import loader
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput
@@ -20,6 +21,7 @@ from aspire_ray.spec.cost_model import CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
 from .block_manager import BlockManager
+from .calibration import calibrate
 from .detokenizer import Detokenizer
 from .request import Request, Status
 from .scheduler import Scheduler
@@ -64,6 +66,11 @@ class LLMEngine:
         self.step_count = 0
         self.timings: dict[str, float] = defaultdict(float)  # seconds, summed over steps
         self.step_kinds: dict[str, int] = defaultdict(int)
+        self.step_seconds: dict[str, float] = defaultdict(float)  # worker time per step kind
+        # False once a worker died: every request then fails, new ones are refused.
+        self.healthy = True
+        self.error: str | None = None
+        self.calibration = calibrate(self)  # cost model of this deployment (cfg.calibrate)
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -76,6 +83,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> Request:
         params = params or SamplingParams()
+        if not self.healthy:
+            raise WorkerDiedError(f"the engine is unhealthy: {self.error}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
@@ -112,13 +121,23 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that changed (new tokens or finished)."""
+        """Run one step; returns the outputs of requests that changed (new tokens or finished).
+
+        If a worker dies (WorkerDiedError), every unfinished request is returned finished with
+        finish_reason "error" and the error message, and the engine turns unhealthy (it
+        refuses new requests); the error is not raised, so callers stream it to each client.
+        """
+        if not self.healthy:
+            return []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.rows and not plan.dropped_req_ids:
             return []
         t1 = time.perf_counter()
-        out = self.executor.execute(plan)
+        try:
+            out = self.executor.execute(plan)
+        except WorkerDiedError as e:
+            return self._fail_all(str(e))
         t2 = time.perf_counter()
         changed = self._commit(plan.rows, out)
         t3 = time.perf_counter()
@@ -195,6 +214,17 @@ class LLMEngine:
                 self._finish(req, "length")
                 break
 
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        self.healthy, self.error = False, message
+        outputs = []
+        for req in list(self.requests.values()):
+            if req.status != Status.FINISHED:
+                self._finish(req, "error")
+            out = self._output(req)
+            out.error = message
+            outputs.append(out)
+        return outputs
+
     def _finish(self, req: Request, reason: str, decode: bool = True) -> None:
         if decode:
             req.text = self.detok.decode(req.output_token_ids)
@@ -208,6 +238,7 @@ class LLMEngine:
         kinds = {row.kind for row in rows}
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
         self.step_kinds[label] += 1
+        self.step_seconds[label] += out.timings.get("total", 0.0)
         n_tokens = sum(r.num_tokens for r in rows)
         kv = sum(self.policy.sparse_tokens(r.context_len) if r.kind == RowKind.DRAFT
                  else r.context_len for r in rows)
@@ -235,8 +266,10 @@ class LLMEngine:
             "pages_total": self.blocks.num_pages,
             "pages_used": self.blocks.num_used,
             "preemptions": self.scheduler.num_preemptions,
+            "healthy": self.healthy,
             "timings": dict(self.timings),
             "step_kinds": dict(self.step_kinds),
+            "step_seconds": dict(self.step_seconds),
             "cost_model": {"b_model": c.b_model, "b_tok": c.b_tok, "b_kv": c.b_kv, "r2": c.r2,
                            "samples": self.cost_model.num_samples},
         }

@@ -94,8 +94,9 @@ def test_other_page_sizes(page_size):
 
 
 def test_many_decode_rows_split():
-    # Many 1-query rows with different lengths, split into chunks of 1 page: every row merges.
-    kv_lens = [1, 16, 17, 33, 64, 95, 3, 50]
+    # Many 1-query rows with different lengths, split into chunks of 1 page: every row merges,
+    # the 300-token row from 19 splits (more than one merge step of 16).
+    kv_lens = [1, 16, 17, 33, 64, 95, 3, 300]
     q, kv, meta = make_case([1] * len(kv_lens), kv_lens, (6, 2, 64), torch.float32)
     check(q, kv, meta, torch.float32, AttentionConfig(block_n=16, kv_chunk_pages=1))
 
@@ -149,15 +150,14 @@ GPU_CASES = {
     "decode64-4k": ([1] * 64, [random.Random(i).randint(1, 4096) for i in range(64)]),
     "verify17": ([17] * 16, [random.Random(i).randint(17, 3000) for i in range(16)]),
     "mixed": ([1] * 30 + [9] * 10 + [700, 256], [2000] * 30 + [500] * 10 + [900, 8000]),
-    "one-long-row": ([1], [32768 + 7]),
+    "one-long-row": ([1], [16384 + 7]),
 }
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
-@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (16, 16, 64), (12, 4, 128)],
-                         ids=["g4-d128", "g3-d64", "g1-d64", "g3-d128"])  # fmt: skip
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=["g4-d128", "g3-d64"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_gpu_grid(dtype, heads, case):
     q_lens, kv_lens = case

@@ -1,0 +1,196 @@
+"""Decode throughput of every speculation mode, side by side in one run.
+
+Committed tokens per second of decode wall time: prefill is excluded (the clock starts once
+every request of the batch has finished its prompt) and a warm-up batch runs first. Per mode:
+tokens/s, speedup over `ar`, mean accepted length, acceptance by draft position, gamma
+distribution, and the step-time breakdown (draft / verify / mixed steps, refresh, sampling,
+scheduling).
+
+    python scripts/bench_decode.py --device cuda --dtype bfloat16 --contexts 2048,4096,8000 \
+        --batch 64 --max-tokens 256 --out docs/bench_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+from workloads import long_context_prompts, short_prompts
+
+from aspire_ray import LLM, SamplingParams
+
+MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, mininterval=2.0)
+    except ImportError:
+        return None
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str) -> dict:
+    """Prefill everything, then time the decode phase until every request finishes."""
+    engine = llm.engine
+    ids = [f"{desc}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    finished = {}
+    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
+    committed_before = sum(len(r.output_token_ids) for r in engine.requests.values())
+    committed_before += sum(len(o.token_ids) for o in finished.values())
+    bar = _progress(len(prompts) * params.max_tokens, desc)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if bar is not None:
+            bar.n = sum(len(o.token_ids) for o in finished.values()) + sum(
+                len(r.output_token_ids) for r in engine.requests.values())
+            bar.refresh()
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    after = engine.stats()
+    outs = [finished[r] for r in ids]
+    committed = sum(len(o.token_ids) for o in outs) - committed_before
+    return {"outs": outs, "seconds": elapsed, "tokens": committed,
+            "breakdown": _diff(after, before)}
+
+
+def _diff(after: dict, before: dict) -> dict:
+    out = {}
+    for key in ("timings", "step_kinds", "step_seconds"):
+        a, b = after[key], before[key]
+        out[key] = {k: a[k] - b.get(k, 0) for k in a}
+    out["steps"] = after["steps"] - before["steps"]
+    out["cost_model"] = after["cost_model"]
+    return out
+
+
+def summarize(mode: str, run: dict, ar_tps: float | None) -> dict:
+    outs = run["outs"]
+    drafted, accepted, gammas = [], [], []
+    verifications = acc = 0
+    for o in outs:
+        m = o.metrics
+        verifications += m.verifications
+        acc += m.accepted
+        gammas += m.gamma_history
+        for j, (d, a) in enumerate(zip(m.drafted_by_position, m.accepted_by_position,
+                                       strict=True)):
+            while len(drafted) <= j:
+                drafted.append(0)
+                accepted.append(0)
+            drafted[j] += d
+            accepted[j] += a
+    tps = run["tokens"] / run["seconds"]
+    hist = {g: gammas.count(g) for g in sorted(set(gammas))}
+    return {
+        "mode": mode, "tokens_per_s": tps, "decode_seconds": run["seconds"],
+        "tokens": run["tokens"], "speedup_vs_ar": tps / ar_tps if ar_tps else 1.0,
+        "mean_accepted_length": (acc + verifications) / verifications if verifications else 1.0,
+        "acceptance_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
+        "acceptance_by_position": [a / d if d else None for a, d in zip(accepted, drafted,
+                                                                         strict=True)],
+        "gamma_histogram": hist, "gamma_mean": statistics.mean(gammas) if gammas else 0.0,
+        "breakdown": run["breakdown"],
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--modes", default=MODES)
+    p.add_argument("--contexts", default="2048,4096,8000",
+                   help="prompt lengths; 'short' = chat prompts asking for long answers")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    report = {"args": vars(args), "results": []}
+    for ctx in args.contexts.split(","):
+        per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+        for mode in modes:
+            llm = LLM(model=args.model, load_format=args.load_format, device=args.device,
+                      dtype=args.dtype, spec_mode=mode, attention_backend=args.attention_backend,
+                      max_num_seqs=max(args.batch, 1),
+                      max_num_batched_tokens=args.max_batched_tokens)
+            tok = llm.tokenizer
+            prompts = short_prompts(tok, args.batch) if ctx == "short" else \
+                long_context_prompts(tok, args.batch, int(ctx))
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    seed=0, ignore_eos=True)
+            warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
+            decode_run(llm, prompts[: min(4, len(prompts))], warm, f"warmup-{mode}")
+            for rep in range(args.repeats):
+                per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}"))
+            info = llm.engine.info
+            llm.shutdown()
+            del llm
+            gc.collect()
+            _empty_cache()
+        ar_runs = per_mode.get("ar")
+        ar_tps = statistics.median(r["tokens"] / r["seconds"] for r in ar_runs) if ar_runs \
+            else None
+        ar_ids = None
+        for mode in modes:
+            runs = sorted(per_mode[mode], key=lambda r: r["tokens"] / r["seconds"])
+            s = summarize(mode, runs[len(runs) // 2], ar_tps)
+            if mode == "ar":
+                ar_ids = s["token_ids"]
+            if ar_ids is not None and args.temperature == 0:
+                s["greedy_token_match_vs_ar"] = _match_rate(s["token_ids"], ar_ids)
+            del s["token_ids"]
+            s.update(context=ctx, batch=args.batch, device=info.get("device_name"))
+            report["results"].append(s)
+            print(f"ctx={ctx:>6} {mode:>13}: {s['tokens_per_s']:9.1f} tok/s  "
+                  f"x{s['speedup_vs_ar']:.2f}  accepted/verify={s['mean_accepted_length']:.2f} "
+                  f"match={s.get('greedy_token_match_vs_ar', '-')}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _match_rate(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions, up to each pair's first divergence included, that agree."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        n = min(len(x), len(y))
+        k = next((i for i in range(n) if x[i] != y[i]), n)
+        same += k
+        total += n
+    return same / total if total else 1.0
+
+
+def _empty_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Sampling: parameter validation, the counter-based sampler, rejection sampling keeps the
+target distribution, seeded runs are deterministic and batch-independent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prompts
+from scipy import stats
+
+from aspire_ray import InvalidRequestError, SamplingParams
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import Stream
+from aspire_ray.worker import sampler
+from aspire_ray.worker.rejection_sampler import verify_greedy, verify_sampled
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_tokens": 0}, {"max_tokens": 1.5}, {"temperature": -0.1}, {"temperature": float("nan")},
+    {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"seed": -1}, {"stop": ["x"] * 17},
+    {"stop": [""]}, {"stop_token_ids": [-3]},
+], ids=lambda kw: next(iter(kw)) + "=" + repr(next(iter(kw.values())))[:10])
+def test_invalid_sampling_params_raise(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_valid_sampling_params():
+    p = SamplingParams(stop="###", top_k=-1, temperature=0)
+    assert p.stop == ["###"] and p.top_k == 0 and p.greedy
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token of zero probability"
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    return float(stats.chisquare(counts[keep], expected).pvalue)
+
+
+def test_exponential_race_matches_distribution():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    n = 40_000
+    seeds = torch.arange(n, dtype=torch.int64)
+    tokens = sampler.sample_from_probs(probs.expand(n, -1), seeds, torch.full((n,), 7),
+                                       Stream.TARGET)
+    counts = np.bincount(tokens.numpy(), minlength=6)
+    assert _chi2_pvalue(counts, probs.numpy()) > 1e-3
+
+
+def test_uniform_depends_only_on_its_key():
+    seeds, pos = torch.tensor([5, 5, 6]), torch.tensor([9, 9, 9])
+    u = sampler.uniform(seeds, pos, Stream.ACCEPT, 4)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert not torch.equal(u, sampler.uniform(seeds, pos, Stream.DRAFT, 4))
+
+
+def test_top_k_top_p_restrict_support():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    probs = sampler.probs_from_logits(
+        logits, torch.ones(3), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]))
+    assert (probs[0, 2:] == 0).all() and probs[0, :2].sum() == pytest.approx(1.0)
+    assert (probs[1, 1:] == 0).all()  # top token alone holds >= 0.5 of the mass
+    assert (probs[2] > 0).all()
+
+
+def test_greedy_verification_prefix_plus_one():
+    logits = torch.full((4, 5), -1.0)
+    for j, t in enumerate([2, 3, 1, 4]):
+        logits[j, t] = 1.0
+    assert verify_greedy(logits, [2, 3, 0]) == (2, [2, 3, 1])
+    assert verify_greedy(logits, [2, 3, 1]) == (3, [2, 3, 1, 4])
+    assert verify_greedy(logits[:1], []) == (0, [2])
+
+
+def _toy_speculative_sequences(p: torch.Tensor, q: torch.Tensor, length: int, draft_len: int,
+                               trials: int) -> np.ndarray:
+    """Generate `length` tokens per trial by drafting from q and verifying against p
+    (position-dependent, context-free toy models p[pos], q[pos])."""
+    out = np.zeros((trials, length), dtype=np.int64)
+    for trial in range(trials):
+        seq: list[int] = []
+        while len(seq) < length:
+            pos0 = len(seq)
+            d = min(draft_len, length - pos0 - 1)
+            drafts = []
+            for j in range(d):
+                tok = sampler.sample_from_probs(q[pos0 + j][None], torch.tensor([trial]),
+                                                torch.tensor([pos0 + j]), Stream.DRAFT)
+                drafts.append(int(tok[0]))
+            _, tokens = verify_sampled(p[pos0 : pos0 + d + 1], q[pos0 : pos0 + d], drafts,
+                                       seed=trial, pos0=pos0)
+            seq += tokens
+        out[trial] = seq[:length]
+    return out
+
+
+def test_rejection_sampling_keeps_target_distribution():
+    torch.manual_seed(0)
+    vocab, length = 4, 3
+    p = torch.softmax(torch.randn(length, vocab) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(length, vocab) * 1.5, dim=-1)  # a poor draft
+    seqs = _toy_speculative_sequences(p, q, length, draft_len=2, trials=4000)
+    joint = np.zeros([vocab] * length)
+    for s in seqs:
+        joint[tuple(s)] += 1
+    target = np.ones([vocab] * length)
+    for pos in range(length):
+        shape = [1] * length
+        shape[pos] = vocab
+        target = target * p[pos].numpy().reshape(shape)
+    assert _chi2_pvalue(joint.ravel(), target.ravel()) > 1e-3
+    # deterministic under the seed
+    again = _toy_speculative_sequences(p, q, length, draft_len=2, trials=50)
+    assert np.array_equal(again, seqs[:50])
+
+
+def _engine(model_dir, mode, **kw):
+    cfg = build_engine_config(model_dir, spec_mode=mode, num_pages=200,
+                              max_num_batched_tokens=256, k_min=3, recent_pages=1, **kw)
+    return LLMEngine(cfg)
+
+
+def _generate(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"q{i}", p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[f"q{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_seeded_sampling_is_deterministic_and_batch_independent(tiny_model_dir, mode):
+    model_dir = tiny_model_dir("llama")
+    prompt = random_prompts(1, [50], 256, seed=9)[0]
+    sp = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = _generate(_engine(model_dir, mode), [prompt], [sp])[0]
+    others = random_prompts(5, [10, 70], 256, seed=10)
+    mixed = _generate(_engine(model_dir, mode), others + [prompt],
+                      [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 5
+                      + [sp])[-1]
+    assert alone == mixed
+
+
+def test_speculative_sampling_matches_ar_distribution(tiny_model_dir):
+    """End to end: the first 3 generated tokens under `aspire` sampling follow the same
+    distribution as plain sampling (two-sample chi-square over the observed sequences)."""
+    model_dir = tiny_model_dir("qwen2")
+    prompt = random_prompts(1, [40], 256, seed=11)[0]
+    n = 200
+    samples = {}
+    for mode in ("ar", "aspire"):
+        params = [SamplingParams(max_tokens=3, temperature=1.5, seed=s, ignore_eos=True)
+                  for s in range(n)]
+        samples[mode] = [tuple(t) for t in _generate(_engine(model_dir, mode, gamma_init=2),
+                                                     [prompt] * n, params)]
+    for pos in range(3):
+        a = [s[pos] for s in samples["ar"]]
+        b = [s[pos] for s in samples["aspire"]]
+        tokens = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in tokens], [b.count(t) for t in tokens]])
+        # merge rare tokens so expected counts are not tiny
+        common = table.sum(0) >= 10
+        merged = np.column_stack([table[:, common], table[:, ~common].sum(1)])
+        merged = merged[:, merged.sum(0) > 0]
+        pvalue = stats.chi2_contingency(merged).pvalue
+        assert pvalue > 1e-3, (pos, pvalue)

@@ -1,0 +1,65 @@
+"""Scheduler math (DESIGN.md §1.5): acceptance EMA, optimal gamma, cost-model fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aspire_ray.spec.acceptance import optimal_gamma, update_alpha
+from aspire_ray.spec.cost_model import CostModel
+
+
+def test_gamma_reference_value():
+    assert optimal_gamma(alpha=0.9, c=0.1, d_max=16) == 10
+
+
+def test_gamma_is_zero_when_drafting_costs_as_much_as_verifying():
+    assert optimal_gamma(alpha=0.5, c=1.0, d_max=16) == 0
+
+
+def test_gamma_clamped_by_d_max():
+    assert optimal_gamma(alpha=0.99, c=0.001, d_max=16) == 16
+
+
+def test_alpha_ema_reference_value():
+    assert update_alpha(0.9, drafted=3, accepted=1) == pytest.approx(0.82)
+
+
+def test_alpha_unchanged_without_drafts():
+    assert update_alpha(0.9, drafted=0, accepted=0) == 0.9
+
+
+def test_alpha_full_acceptance_moves_up():
+    # a = d = 4: alpha_hat = 4 / min(5, 4) = 1
+    assert update_alpha(0.5, drafted=4, accepted=4) == pytest.approx(0.6)
+
+
+def test_cost_model_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    truth = (2e-3, 3e-5, 4e-8)
+    model = CostModel(min_samples=8)
+    for _ in range(400):
+        n = int(rng.integers(1, 512))
+        kv = int(rng.integers(100, 500_000))
+        t = truth[0] + truth[1] * n + truth[2] * kv
+        model.add_sample(n, kv, t * (1 + rng.normal(0, 0.01)))
+    coef = model.fit()
+    assert coef.b_model == pytest.approx(truth[0], rel=0.05)
+    assert coef.b_tok == pytest.approx(truth[1], rel=0.05)
+    assert coef.b_kv == pytest.approx(truth[2], rel=0.05)
+    assert coef.r2 > 0.99
+
+
+def test_cost_model_keeps_prior_when_underdetermined():
+    model = CostModel(min_samples=4)
+    prior = model.coef
+    for _ in range(10):
+        model.add_sample(1, 1000, 0.01)  # one point repeated: rank 1
+    assert model.fit() == prior
+
+
+def test_draft_verify_ratio_grows_with_sparse_budget():
+    model = CostModel()
+    small = model.draft_verify_ratio(batch=16, sparse_tokens=512, drafts=4, context_tokens=8192)
+    large = model.draft_verify_ratio(batch=16, sparse_tokens=4096, drafts=4, context_tokens=8192)
+    assert 0 < small < large < 1
