@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 SPEC_MODES = ("ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+CALIBRATE = ("auto", "off", "force")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -106,6 +107,10 @@ class EngineConfig:
     # For load_format="dummy": a HF config (dict) or a path/alias whose config is used.
     hf_overrides: dict = field(default_factory=dict)
     seed: int = 0  # weights of dummy models
+    # Cost-model calibration at start-up (engine/calibration.py): "auto" loads the cached fit
+    # of this deployment or runs a short sweep (spec mode "aspire" only: the one that reads the
+    # cost model); "force" always sweeps; "off" keeps the prior until the online refits.
+    calibrate: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -115,5 +120,7 @@ class EngineConfig:
         _require(self.load_format in LOAD_FORMATS,
                  f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _require(self.calibrate in CALIBRATE,
+                 f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         _require(self.device.split(":")[0] in ("cpu", "cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
