@@ -69,9 +69,10 @@ def test_greedy_verification_prefix_plus_one():
     logits = torch.full((4, 5), -1.0)
     for j, t in enumerate([2, 3, 1, 4]):
         logits[j, t] = 1.0
-    assert verify_greedy(logits, [2, 3, 0]) == (2, [2, 3, 1])
-    assert verify_greedy(logits, [2, 3, 1]) == (3, [2, 3, 1, 4])
-    assert verify_greedy(logits[:1], []) == (0, [2])
+    target = logits.argmax(-1).tolist()
+    assert verify_greedy(target, [2, 3, 0]) == (2, [2, 3, 1])
+    assert verify_greedy(target, [2, 3, 1]) == (3, [2, 3, 1, 4])
+    assert verify_greedy(target[:1], []) == (0, [2])
 
 
 def _toy_speculative_sequences(p: torch.Tensor, q: torch.Tensor, length: int, draft_len: int,

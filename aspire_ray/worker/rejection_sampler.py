@@ -13,10 +13,9 @@ from aspire_ray.plan import Stream
 from .sampler import sample_from_probs, uniform
 
 
-def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, list[int]]:
-    """target_logits [d+1, V]. Accept the longest prefix with d_j == argmax p_{j-1}, then add
-    the target's own argmax at the first mismatch (or after the last draft)."""
-    target = torch.argmax(target_logits, dim=-1).tolist()
+def verify_greedy(target: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """target: argmax of p_0..p_d (d+1 ids). Accept the longest prefix with d_j == argmax
+    p_{j-1}, then add the target's own argmax at the first mismatch (or after the last draft)."""
     accepted = 0
     for j, token in enumerate(drafts):
         if token != target[j]:

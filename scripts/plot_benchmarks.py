@@ -1,0 +1,120 @@
+"""Turn the benchmark JSON in docs/ into PNG plots (docs/plots/).
+
+    python scripts/plot_benchmarks.py --decode docs/bench_decode_h200.json \
+        --acceptance docs/acceptance_cpu.json --out docs/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_speedup(report: dict, out: Path) -> Path:
+    rows = report["results"]
+    contexts = list(dict.fromkeys(r["context"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, mode in enumerate(modes):
+        ys = [next((r["speedup_vs_ar"] for r in rows if r["mode"] == mode and r["context"] == c),
+                   0) for c in contexts]
+        ax.bar([x + i * width for x in range(len(contexts))], ys, width, label=mode)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(contexts))], contexts)
+    ax.set_xlabel("context bucket (tokens)")
+    ax.set_ylabel("decode tokens/s over ar")
+    ax.set_title(f"Decode speedup per mode (batch {rows[0].get('batch')}, "
+                 f"{rows[0].get('device')})")
+    ax.legend(fontsize=8)
+    path = out / "speedup.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_breakdown(report: dict, out: Path) -> Path:
+    rows = report["results"]
+    labels = [f"{r['mode']}\n{r['context']}" for r in rows]
+    kinds = sorted({k for r in rows for k in r["breakdown"]["step_seconds"]})
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4))
+    bottom = [0.0] * len(rows)
+    for kind in kinds:
+        ys = [r["breakdown"]["step_seconds"].get(kind, 0.0) / max(r["tokens"], 1) * 1e3
+              for r in rows]
+        ax.bar(range(len(rows)), ys, bottom=bottom, label=kind)
+        bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    sched = [r["breakdown"]["timings"].get("schedule", 0) / max(r["tokens"], 1) * 1e3
+             for r in rows]
+    ax.bar(range(len(rows)), sched, bottom=bottom, label="scheduling (driver)")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("ms per committed token")
+    ax.set_title("Where decode time goes, by step kind")
+    ax.legend(fontsize=7)
+    path = out / "breakdown.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(report: dict, out: Path) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = {"magicdec": "magicdec (sink + window)", "specattn": "specattn (no refresh)",
+             "aspire_fixed": "aspire_fixed (refresh, l_r = N-2)"}
+    for r in report["modes"]:
+        ys = r["acceptance_by_position"]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=names.get(r["mode"], r["mode"]))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Acceptance by draft position ({report['model']}, ctx {report['context']})")
+    ax.legend(fontsize=8)
+    p1 = out / "acceptance_by_position.png"
+    fig.tight_layout()
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+    n = report["num_layers"]
+    default = next(r for r in report["modes"] if r["mode"] == "aspire_fixed")
+    points = [(n - 2, default["acceptance_rate"])] + [
+        (r["refresh_layer"], r["acceptance_rate"]) for r in report["refresh_layer_sweep"]]
+    points.sort()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    ax.set_xlabel(f"refresh layer l_r (of {n})")
+    ax.set_ylabel("acceptance rate (gamma = %d)" % report["gamma"])
+    ax.set_title("Refresh-layer sweep")
+    p2 = out / "refresh_layer_sweep.png"
+    fig.tight_layout()
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--decode", default=None)
+    p.add_argument("--acceptance", default=None)
+    p.add_argument("--out", default="docs/plots")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    if args.decode:
+        report = json.loads(Path(args.decode).read_text())
+        made += [plot_speedup(report, out), plot_breakdown(report, out)]
+    if args.acceptance:
+        made += plot_acceptance(json.loads(Path(args.acceptance).read_text()), out)
+    for path in made:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Start-up calibration of the cost model: the sweep recovers known coefficients, its plans are
+valid and leave nothing behind, the fit is cached per deployment and reused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from aspire_ray.engine.calibration import CPU_SWEEP, cache_path, deployment_key
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.executor.base import Executor
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import RowKind, RowResult, StepOutput, StepPlan
+from aspire_ray.spec.cost_model import PRIOR
+from aspire_ray.spec.draft_policy import DraftPolicy
+
+TRUE = (2e-3, 5e-5, 3e-7)  # b_model, b_tok, b_kv the fake device "measures"
+
+
+class FakeExecutor(Executor):
+    """A worker stand-in whose forward time is exactly the three-term model; it checks every
+    plan the way a worker would use it (known requests, pages covering each row)."""
+
+    def __init__(self, cfg, device_name: str = "fake-gpu") -> None:
+        self.cfg = cfg
+        self.device_name = device_name
+        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size)
+        self.tables: dict[str, list[int]] = {}
+        self.calls = 0
+
+    def describe(self) -> dict:
+        return {"num_pages": 600, "num_layers": 4, "vocab_size": 256,
+                "max_position_embeddings": 4096, "eos_token_ids": [], "refresh_layer": 2,
+                "device_name": self.device_name}
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.calls += 1
+        for rid in plan.dropped_req_ids:
+            del self.tables[rid]
+        for rid in plan.new_requests:
+            assert rid not in self.tables
+            self.tables[rid] = []
+        assert len({r.req_id for r in plan.rows}) == len(plan.rows), "two rows of one request"
+        n = kv = 0
+        results = []
+        for row in plan.rows:
+            bt = self.tables[row.req_id]
+            del bt[row.pages_keep :]
+            bt.extend(row.pages_new)
+            assert math.ceil(row.context_len / self.cfg.cache.page_size) <= len(bt)
+            if row.kind == RowKind.VERIFY:
+                assert row.num_tokens == row.num_drafts + 1
+            n += row.num_tokens
+            kv += (self.policy.sparse_tokens(row.context_len) if row.kind == RowKind.DRAFT
+                   else row.context_len)
+            results.append(RowResult(row.req_id, row.kind, [] if row.kind == RowKind.PREFILL
+                                     else [0]))
+        seconds = TRUE[0] + TRUE[1] * n + TRUE[2] * kv
+        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+
+
+def _cfg(mode="aspire", calibrate="auto", **kw):
+    return build_engine_config("dummy", load_format="dummy", spec_mode=mode,
+                               calibrate=calibrate, k_min=3, recent_pages=1, **kw)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_sweep_recovers_known_coefficients_and_cleans_up():
+    cfg = _cfg(calibrate="force")
+    fake = FakeExecutor(cfg)
+    engine = LLMEngine(cfg, executor=fake)
+    cal = engine.calibration
+    assert cal.source == "sweep" and len(cal.samples) >= 16
+    c = engine.cost_model.coef
+    for got, want in zip((c.b_model, c.b_tok, c.b_kv), TRUE, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert c.r2 == pytest.approx(1.0)
+    assert engine.blocks.num_used == 0 and not fake.tables  # pages back, requests dropped
+    engine.blocks.check()
+    # the sweep spans the features (several batch sizes, contexts and draft lengths)
+    ns, kvs = {s[0] for s in cal.samples}, {s[1] for s in cal.samples}
+    assert len(ns) >= 4 and len(kvs) >= 4
+
+
+def test_cache_is_reused_per_deployment(cache_dir):
+    cfg = _cfg()
+    first = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    assert first.calibration.source == "sweep"
+    path = cache_path(deployment_key(first))
+    assert path.parent == cache_dir / "calibration" and path.exists()
+    assert json.loads(path.read_text())["key"]["tp_size"] == 1
+
+    again = FakeExecutor(cfg)
+    second = LLMEngine(cfg, executor=again)
+    assert second.calibration.source == "cache"
+    assert again.calls == 0, "a cached deployment must not re-run the sweep"
+    assert second.cost_model.coef == first.cost_model.coef
+    # the samples come back too, so the online refits start from a well-posed window
+    assert second.cost_model.num_samples == len(first.calibration.samples)
+
+    # another device (or TP degree, dtype, page size, k_min/rho) is another deployment
+    other = FakeExecutor(cfg, device_name="other-gpu")
+    assert LLMEngine(cfg, executor=other).calibration.source == "sweep" and other.calls > 0
+    forced = _cfg(calibrate="force")
+    ex = FakeExecutor(forced)
+    assert LLMEngine(forced, executor=ex).calibration.source == "sweep" and ex.calls > 0
+
+
+def test_off_and_modes_without_cost_model_skip():
+    for cfg in (_cfg(calibrate="off"), _cfg(mode="magicdec")):
+        fake = FakeExecutor(cfg)
+        engine = LLMEngine(cfg, executor=fake)
+        assert engine.calibration is None and fake.calls == 0
+        assert engine.cost_model.coef == PRIOR
+    with pytest.raises(ValueError, match="calibrate must be one of"):
+        _cfg(calibrate="sometimes")
+
+
+def test_real_cpu_sweep_is_short_and_sane(tiny_model_dir):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = build_engine_config(tiny_model_dir("llama"), spec_mode="aspire", calibrate="force",
+                                  k_min=3, recent_pages=1, num_pages=200)
+        engine = LLMEngine(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    cal = engine.calibration
+    print(f"CPU sweep {cal.seconds:.2f} s, {len(cal.samples)} samples, {cal.coefficients}")
+    assert cal.seconds < 10  # ~0.3-1 s on an idle 2-core machine; CPU_SWEEP is sized for < 2 s
+    assert len(cal.samples) == sum(len(CPU_SWEEP.batches) * (CPU_SWEEP.draft_steps
+                                                             + len(CPU_SWEEP.drafts))
+                                   for _ in CPU_SWEEP.contexts)
+    c = engine.cost_model.coef
+    assert c.r2 is not None and c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
+    assert engine.executor.worker.requests == {} and engine.blocks.num_used == 0
