@@ -23,7 +23,7 @@ from aspire_ray import LLM, SamplingParams
 def run(mode: str, prompts, args, **overrides) -> dict:
     llm = LLM(model=args.model, spec_mode=mode, dtype=args.dtype, device=args.device,
               gamma=args.gamma, d_max=max(args.gamma, 16), num_pages=args.num_pages,
-              max_num_batched_tokens=args.batch_tokens, **overrides)
+              max_num_batched_tokens=args.batch_tokens, calibrate="off", **overrides)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=0, ignore_eos=True)
     t0 = time.time()
@@ -66,8 +66,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=4096)
-    p.add_argument("--refresh-layers", default="29,28,26,22,15,8",
-                   help="comma-separated refresh layers for the sweep ('' to skip)")
+    p.add_argument("--refresh-layers", default="29,26,22,15,8",
+                   help="refresh layers for the sweep besides the default N-2 ('' to skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
