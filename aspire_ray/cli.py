@@ -1,4 +1,6 @@
-"""Command line: ``aspire-ray generate --prompt ...`` prints a completion."""
+"""Command line: ``aspire-ray generate --prompt ...`` prints a completion;
+``aspire-ray serve`` runs the OpenAI-compatible server (uvicorn in this process, or Ray Serve
+with ``--ray``)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,62 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(app args, http options): the config file's first application, then the flags."""
+    app_args: dict = {"engine": {}, "server": {}, "deployment": {}}
+    http = {"host": "127.0.0.1", "port": 8000}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            config = yaml.safe_load(f) or {}
+        http.update(config.get("http_options") or {})
+        apps = config.get("applications") or [{}]
+        for section, values in (apps[0].get("args") or {}).items():
+            app_args.setdefault(section, {}).update(values or {})
+    flags = {"engine": {"model": args.model, "spec_mode": args.spec_mode, "dtype": args.dtype,
+                        "device": args.device, "tp_size": args.tp_size,
+                        "load_format": args.load_format},
+             "server": {"served_model_name": args.served_model_name, "api_key": args.api_key}}
+    for section, values in flags.items():
+        app_args[section].update({k: v for k, v in values.items() if v is not None})
+    http.update({k: v for k, v in {"host": args.host, "port": args.port}.items()
+                 if v is not None})
+    return app_args, http
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from .serving.settings import AppArgs
+
+    app_args, http = _serve_args(args)
+    try:
+        parsed = AppArgs.model_validate(app_args)
+    except ValidationError as exc:
+        print(f"invalid server configuration:\n{exc}", file=sys.stderr)
+        return 2
+    if args.ray:
+        from ray import serve
+
+        from .serving.app import build_app
+
+        serve.start(http_options=http)
+        serve.run(build_app(parsed.model_dump(mode="json")), name="aspire", route_prefix="/",
+                  blocking=True)
+        return 0
+    import uvicorn
+
+    from .serving.app import build_server
+
+    app, engine = build_server(parsed)
+    try:
+        uvicorn.run(app, host=http["host"], port=int(http["port"]), log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aspire-ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--load-format", default="auto")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("--config", help="a Serve YAML (serve_configs/*.yaml); flags override it")
+    srv.add_argument("--model", default=None)
+    srv.add_argument("--spec-mode", choices=SPEC_MODES, default=None)
+    srv.add_argument("--dtype", default=None)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--tp-size", type=int, default=None)
+    srv.add_argument("--load-format", default=None)
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="default 8000")
+    srv.add_argument("--ray", action="store_true",
+                     help="run under Ray Serve (default: uvicorn in this process)")
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

