@@ -132,6 +132,7 @@ class Worker:
     def _sample(self, rows: list[RowPlan], logits: torch.Tensor,
                 offsets: list[int]) -> list[RowResult]:
         probs = self._probs(rows, logits, offsets)
+        argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -143,7 +144,7 @@ class Worker:
             if row.kind == RowKind.VERIFY:
                 drafts = row.token_ids[1:]
                 if spec.greedy:
-                    n_acc, tokens = rejection_sampler.verify_greedy(logits[lo:hi], drafts)
+                    n_acc, tokens = rejection_sampler.verify_greedy(argmax[lo:hi], drafts)
                 else:
                     q = torch.stack(req.draft_probs[: len(drafts)]) if drafts else probs[lo:lo]
                     n_acc, tokens = rejection_sampler.verify_sampled(
@@ -153,7 +154,7 @@ class Worker:
                 continue
             # PREFILL (sample) and DRAFT: one token at position context_len
             if spec.greedy:
-                token = int(torch.argmax(logits[lo]))
+                token = argmax[lo]
             else:
                 stream = Stream.DRAFT if row.kind == RowKind.DRAFT else Stream.TARGET
                 token = int(sampler.sample_from_probs(
