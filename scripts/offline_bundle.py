@@ -33,6 +33,7 @@ SERVE_WHEELS = [
     "opentelemetry-exporter-prometheus", "opentelemetry-proto",
     "opentelemetry-semantic-conventions", "google-api-core", "google-auth", "cryptography",
     "mmh3", "watchfiles", "websockets", "httptools", "python-dotenv", "py-spy", "gguf",
+    "grpcio-reflection==1.84.0",  # must match the grpcio of the usual GPU image
 ]
 RAY_DROP = ("jars", "rllib", "tune", "train", "data")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

@@ -130,6 +130,25 @@ def test_tp2_equals_tp1_every_mode(tiny_model_dir, tp2_executor, family):
             assert scored, f"{mode}: no page scores were ever computed"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_tp4_equals_tp1(ray_local, tiny_model_dir, mode):
+    """TP=4 over 4 gloo ranks (4 q heads: one per rank; 2 kv heads: each replicated twice)."""
+    from aspire_ray.executor.ray_executor import RayExecutor
+
+    model_dir = tiny_model_dir("llama")
+    expected = _run(LLMEngine(_cfg(model_dir, mode, tp=1)))
+    cfg = _cfg(model_dir, mode, tp=4)
+    executor = RayExecutor(cfg, transport="plain")
+    try:
+        assert executor.describe()["tp_size"] == 4
+        engine = LLMEngine(cfg, executor=executor)
+        checker = _same_scores_on_every_rank(executor, []) if mode in SCORED_MODES else None
+        assert _run(engine, checker) == expected
+    finally:
+        executor.shutdown()
+
+
 def test_calibration_runs_on_tp2(tiny_model_dir, tp2_executor, tmp_path, monkeypatch):
     monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path))
     model_dir = tiny_model_dir("llama")
