@@ -13,9 +13,9 @@ class PagedKVMeta:
 
     Row r owns query tokens ``q[qo_indptr[r]:qo_indptr[r+1]]`` and the KV pages
     ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]`` (physical page ids, in order; any subset of the
-    request's pages). The last listed page holds ``kv_last_page_len[r]`` valid tokens (1..page_size),
-    every other listed page is full. Attention is causal aligned to the END of the row's KV:
-    query i of n_q may see listed KV tokens j <= kv_len - n_q + i.
+    request's pages). The last listed page holds ``kv_last_page_len[r]`` valid tokens
+    (1..page_size), every other listed page is full. Attention is causal aligned to the END of
+    the row's KV: query i of n_q may see listed KV tokens j <= kv_len - n_q + i.
 
     qo_indptr:        int32 [R+1]
     kv_indptr:        int32 [R+1]

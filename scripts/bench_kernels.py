@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.page_scores import token_max_probs

@@ -89,7 +89,7 @@ def plot_acceptance(report: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
     ax.set_xlabel(f"refresh layer l_r (of {n})")
-    ax.set_ylabel("acceptance rate (gamma = %d)" % report["gamma"])
+    ax.set_ylabel(f"acceptance rate (gamma = {report['gamma']})")
     ax.set_title("Refresh-layer sweep")
     p2 = out / "refresh_layer_sweep.png"
     fig.tight_layout()

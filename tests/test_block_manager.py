@@ -17,7 +17,7 @@ def test_random_alloc_free_keeps_invariants():
     rng = random.Random(0)
     bm = BlockManager(num_pages=50, page_size=16)
     owned: dict[str, list[int]] = {}
-    for step in range(2000):
+    for _ in range(2000):
         owner = f"r{rng.randrange(8)}"
         if rng.random() < 0.55:
             n = rng.randrange(1, 6)

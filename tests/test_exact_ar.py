@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers import hf_greedy, random_prompts, run_staggered
 
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
-
-from helpers import hf_greedy, random_prompts, run_staggered
 
 LENGTHS = [1, 5, 17, 40, 70]  # 1 token .. several 16-token pages
 MAX_NEW = 24

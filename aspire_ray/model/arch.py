@@ -44,7 +44,10 @@ class ModelArch:
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         eos = getattr(cfg, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        if isinstance(eos, list | tuple):
+            eos_ids = tuple(eos)
+        else:
+            eos_ids = (eos,) if eos is not None else ()
         rope_scaling = getattr(cfg, "rope_scaling", None)
         rope_theta = getattr(cfg, "rope_theta", None)
         rope_params = getattr(cfg, "rope_parameters", None)  # transformers >= 5

@@ -33,7 +33,8 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 [N, n]: entry (i, v) depends only on (seed_i, pos_i, stream, v)."""
+    """Uniforms in (0, 1), float64 [N, n]; entry (i, v) depends only on
+    (seed_i, pos_i, stream, v)."""
     keys = row_keys(seeds, positions, stream)[:, None]
     v = torch.arange(n, device=seeds.device, dtype=torch.int64)[None, :]
     a = _mix32(keys ^ _mix32(v * 2 + 1))

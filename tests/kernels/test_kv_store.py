@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.reference import store_kv_ref
 

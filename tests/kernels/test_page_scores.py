@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.page_scores import token_max_probs
 from aspire_ray.kernels.paged_attention import paged_attention

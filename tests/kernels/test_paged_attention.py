@@ -4,6 +4,8 @@ import random
 
 import pytest
 import torch
+
+from aspire_ray.attention import get_backend
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.paged_attention import (
     DEFAULT_CONFIG,
@@ -12,8 +14,6 @@ from aspire_ray.kernels.paged_attention import (
     paged_attention,
 )
 from aspire_ray.kernels.reference import paged_attention_ref
-
-from aspire_ray.attention import get_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
