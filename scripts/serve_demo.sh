@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Start the server (serve run CONFIG), wait until it is healthy, ask it for one completion
+# over the OpenAI API, print the answer, stop the server. Used by the README's first command.
+#   usage: bash scripts/serve_demo.sh [serve_configs/local.yaml] [PROMPT]
+set -euo pipefail
+config="${1:-serve_configs/local.yaml}"
+prompt="${2:-The capital of France is}"
+url="http://127.0.0.1:8000"
+serve_bin="$(dirname "$(command -v python3)")/serve"
+[ -x .venv/bin/serve ] && serve_bin=.venv/bin/serve
+if curl -sf "$url/health" >/dev/null 2>&1; then
+    echo "something already answers on $url; stop it first" >&2
+    exit 1
+fi
+# own process group, so that one SIGINT reaches serve and the Ray processes it starts
+setsid "$serve_bin" run "$config" > serve.log 2>&1 &
+server=$!
+stop() { kill -INT -- "-$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
+trap stop EXIT
+for _ in $(seq 300); do
+    curl -sf "$url/health" >/dev/null 2>&1 && break
+    kill -0 "$server" 2>/dev/null || { echo "serve run exited; see serve.log" >&2; exit 1; }
+    sleep 2
+done
+curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}"
+echo
