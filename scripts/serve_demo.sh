@@ -12,10 +12,11 @@ if curl -sf "$url/health" >/dev/null 2>&1; then
     echo "something already answers on $url; stop it first" >&2
     exit 1
 fi
-# own process group, so that one SIGINT reaches serve and the Ray processes it starts
+# own process group, so that one signal reaches serve and the Ray processes it starts
+# (SIGTERM: a background job of a non-interactive shell ignores SIGINT)
 setsid "$serve_bin" run "$config" > serve.log 2>&1 &
 server=$!
-stop() { kill -INT -- "-$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
+stop() { kill -TERM -- "-$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
 trap stop EXIT
 for _ in $(seq 300); do
     curl -sf "$url/health" >/dev/null 2>&1 && break
