@@ -26,7 +26,8 @@ import zipfile
 from pathlib import Path
 
 SERVE_WHEELS = [
-    "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types",
+    "fastapi", "annotated-doc", "starlette", "uvicorn", "pydantic", "pydantic-core",
+    "annotated-types",
     "typing-inspection", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
     "opencensus", "opencensus-context", "aiohttp-cors", "colorful", "smart-open", "virtualenv",
     "distlib", "platformdirs", "opentelemetry-api", "opentelemetry-sdk",
