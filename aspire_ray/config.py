@@ -66,7 +66,8 @@ class SpecConfig:
     refit_every: int = 64
 
     def __post_init__(self) -> None:
-        _require(self.mode in SPEC_MODES, f"spec_mode must be one of {SPEC_MODES}, got {self.mode!r}")
+        _require(self.mode in SPEC_MODES,
+                 f"spec_mode must be one of {SPEC_MODES}, got {self.mode!r}")
         _require(self.k_min >= 1, f"k_min must be >= 1, got {self.k_min}")
         _require(0.0 < self.rho <= 1.0, f"rho must be in (0, 1], got {self.rho}")
         _require(self.recent_pages >= 1, f"recent_pages must be >= 1, got {self.recent_pages}")
@@ -77,7 +78,8 @@ class SpecConfig:
         _require(1 <= self.d_max <= 64, f"d_max must be in [1, 64], got {self.d_max}")
         _require(0 <= self.gamma_init <= self.d_max,
                  f"gamma_init must be in [0, d_max={self.d_max}], got {self.gamma_init}")
-        _require(0.0 < self.alpha_init < 1.0, f"alpha_init must be in (0, 1), got {self.alpha_init}")
+        _require(0.0 < self.alpha_init < 1.0,
+                 f"alpha_init must be in (0, 1), got {self.alpha_init}")
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
@@ -111,6 +113,8 @@ class EngineConfig:
     # of this deployment or runs a short sweep (spec mode "aspire" only: the one that reads the
     # cost model); "force" always sweeps; "off" keeps the prior until the online refits.
     calibrate: str = "auto"
+    # Piecewise CUDA graphs for the dense layers (cuda, tp 1, triton backend); False: eager.
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])  # varies every step: no new variants mid-serving
 def _token_max_probs_kernel(
     q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, num_items, kv_indptr_ptr, kv_indices_ptr,
     last_len_ptr, stride_qr, stride_qh, stride_lr, stride_kp, stride_ks, stride_kh, scale_log2,

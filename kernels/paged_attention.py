@@ -79,7 +79,9 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
-@triton.jit
+# Runtime counts and plan-buffer pointers vary every step: specialising on them (== 1, % 16,
+# 16-byte alignment) would compile new variants mid-serving, so they are not specialised.
+@triton.jit(do_not_specialize=["work_ptr", "num_items", "num_part"])
 def _attn_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, work_ptr, num_items,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, last_len_ptr,
@@ -156,7 +158,7 @@ def _attn_kernel(
         tl.store(lpart_ptr + p_off, lse2, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["merge_ptr", "num_part"])
 def _merge_kernel(
     out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, num_part, stride_ot, stride_oh,
     num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,

@@ -40,14 +40,15 @@ def attention_ref(
     kf, vf = k.float(), v.float()
     for start in range(0, n, _Q_BLOCK):
         end = min(start + _Q_BLOCK, n)
+        visible = length - n + end  # keys past this are masked for every query of the block
         qb = q[start:end].float().view(end - start, hkv, group, d)
-        scores = torch.einsum("nhgd,lhd->hgnl", qb, kf) * scale  # [Hkv, g, nb, L]
+        scores = torch.einsum("nhgd,lhd->hgnl", qb, kf[:visible]) * scale  # [Hkv, g, nb, Lb]
         q_idx = torch.arange(start, end, device=q.device)[:, None]
-        k_idx = torch.arange(length, device=q.device)[None, :]
+        k_idx = torch.arange(visible, device=q.device)[None, :]
         scores = scores.masked_fill(k_idx > length - n + q_idx, float("-inf"))
         block_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, g, nb]
         probs = torch.exp(scores - block_lse[..., None])
-        ob = torch.einsum("hgnl,lhd->nhgd", probs, vf).reshape(end - start, hq, d)
+        ob = torch.einsum("hgnl,lhd->nhgd", probs, vf[:visible]).reshape(end - start, hq, d)
         out[start:end] = ob.to(q.dtype)
         lse[start:end] = block_lse.permute(2, 0, 1).reshape(end - start, hq)
     return out, lse
@@ -113,3 +114,34 @@ def store_kv_ref(
     pages, offsets = slot_mapping // ps, slot_mapping % ps
     kv_cache[pages, 0, offsets] = k.to(kv_cache.dtype)
     kv_cache[pages, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim, op for op as transformers' LlamaRMSNorm (fp32 statistics,
+    normalised value rounded to x's dtype before the weight). With ``residual``: residual += x
+    in place first (rounded to its dtype), and the norm is taken of that sum."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary_ref(
+    positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] at positions [T] with float32 tables [P, D/2]; computed in
+    float32, returned in x's dtype."""
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2I] -> silu(gate) * up with gate, up = x.chunk(2, -1)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

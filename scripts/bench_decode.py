@@ -8,6 +8,9 @@ scheduling).
 
     python scripts/bench_decode.py --device cuda --dtype bfloat16 --contexts 2048,4096,8000 \
         --batch 64 --max-tokens 256 --out docs/bench_decode_h200.json
+
+Without the model's weights, ``--dummy-shapes smollm2`` runs SmolLM2-135M's architecture with
+random weights on random-token prompts: step costs are the real ones, acceptance rates are not.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
+import sys
 import time
 
 from workloads import long_context_prompts, short_prompts
@@ -23,9 +28,22 @@ from workloads import long_context_prompts, short_prompts
 from aspire_ray import LLM, SamplingParams
 
 MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
+DUMMY_SHAPES = {
+    "smollm2": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 def _progress(total: int, desc: str):
+    if not sys.stderr.isatty():  # logs stay readable
+        return None
     try:
         from tqdm import tqdm
 
@@ -124,20 +142,34 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
+                   help="random weights of this architecture, random-token prompts")
+    p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
+    extra = {"cuda_graphs": not args.no_cuda_graphs}
+    if args.dummy_shapes:
+        longest = max(int(c) for c in args.contexts.split(",") if c != "short")
+        pages_per_request = -(-(longest + args.max_tokens + 64) // 16)
+        extra.update(model="dummy", load_format="dummy",
+                     hf_overrides=DUMMY_SHAPES[args.dummy_shapes],
+                     num_pages=(args.batch + 4) * pages_per_request)
     report = {"args": vars(args), "results": []}
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         for mode in modes:
-            llm = LLM(model=args.model, load_format=args.load_format, device=args.device,
-                      dtype=args.dtype, spec_mode=mode, attention_backend=args.attention_backend,
-                      max_num_seqs=max(args.batch, 1),
-                      max_num_batched_tokens=args.max_batched_tokens)
+            kw = {"model": args.model, "load_format": args.load_format, **extra}
+            llm = LLM(device=args.device, dtype=args.dtype, spec_mode=mode,
+                      attention_backend=args.attention_backend, max_num_seqs=max(args.batch, 1),
+                      max_num_batched_tokens=args.max_batched_tokens, **kw)
             tok = llm.tokenizer
-            prompts = short_prompts(tok, args.batch) if ctx == "short" else \
-                long_context_prompts(tok, args.batch, int(ctx))
+            if args.dummy_shapes:
+                prompts = random_prompts(args.batch, int(ctx), llm.engine.info["vocab_size"])
+            elif ctx == "short":
+                prompts = short_prompts(tok, args.batch)
+            else:
+                prompts = long_context_prompts(tok, args.batch, int(ctx))
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     seed=0, ignore_eos=True)
             warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)

@@ -38,7 +38,8 @@ SHAPES = {
 
 def run(args, tp: int, mode: str) -> dict:
     llm = LLM("dummy", load_format="dummy", hf_overrides=SHAPES[args.shape], device="cuda",
-              dtype="bfloat16", spec_mode=mode, tp_size=tp, calibrate=args.calibrate,
+              dtype="bfloat16", spec_mode=mode, tp_size=tp,
+              calibrate=args.calibrate if mode == "aspire" else "off",
               max_num_seqs=max(args.batches), max_num_batched_tokens=16384)
     rng = random.Random(0)
     vocab = SHAPES[args.shape]["vocab_size"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from aspire_ray.kernels.reference import rms_norm_ref, silu_and_mul_ref
 from aspire_ray.tp import TPGroup
 from aspire_ray.tp.group import shard_heads
 from aspire_ray.tp.layers import (
@@ -24,7 +24,7 @@ from aspire_ray.tp.layers import (
 )
 
 from .arch import ModelArch
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, fused_ops
 
 
 class AttentionPlan(Protocol):
@@ -39,11 +39,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm (fp32 statistics) for exact fp32 parity.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., N]. With residual [T, N]: residual += x in place, returns the norm of it.
+
+        Same op order as transformers' LlamaRMSNorm (fp32 statistics) for exact fp32 parity on
+        the CPU; one fused kernel on a GPU."""
+        if fused_ops(x):
+            from aspire_ray.kernels.fused_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -60,7 +65,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
-    def forward(self, x, positions, rotary, plan: AttentionPlan, kv_cache):
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+            q_out: torch.Tensor | None = None):  # fmt: skip
+        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] after q/k norm and RoPE (q written
+        into q_out[:T] when given)."""
         t = x.shape[0]
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -69,9 +77,13 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, q_out)
+        return q, k, v
+
+    def forward(self, x, positions, rotary, plan: AttentionPlan, kv_cache):
+        q, k, v = self.qkv(x, positions, rotary)
         out = plan.attend(self.layer, q, k, v, kv_cache, self.scale)
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -82,11 +94,18 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops(gate_up):
+            from aspire_ray.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
+    """One layer over the residual stream, which it updates in place (vLLM's fused residual):
+    the previous layer's MLP output x is added to the residual inside the input norm."""
+
     def __init__(self, arch: ModelArch, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -94,9 +113,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch, tp)
 
-    def forward(self, x, positions, rotary, plan, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, plan, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def pre_attention(self, x: torch.Tensor | None, residual: torch.Tensor, positions, rotary,
+                      q_out: torch.Tensor | None = None):  # fmt: skip
+        """residual += x (x None: the embeddings already are the residual) -> q, k, v."""
+        h = self.input_layernorm(residual) if x is None else self.input_layernorm(x, residual)
+        return self.self_attn.qkv(h, positions, rotary, q_out)
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn [T, Hq, D]: o_proj, residual add, norm, MLP -> the MLP output [T, hidden]."""
+        h = self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+        return self.mlp(self.post_attention_layernorm(h, residual))
+
+    def forward(self, x, residual, positions, rotary, plan: AttentionPlan, kv_cache):
+        q, k, v = self.pre_attention(x, residual, positions, rotary)
+        attn = self.self_attn
+        out = plan.attend(attn.layer, q, k, v, kv_cache, attn.scale)
+        return self.post_attention(out, residual)
 
 
 class DecoderModel(nn.Module):
@@ -124,10 +156,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids)  # a new tensor: updated in place below
+        x = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, plan, kv_cache)
-        return self.norm(x)
+            x = layer(x, residual, positions, self.rotary, plan, kv_cache)
+        return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (full vocab on every rank)."""

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 
 import torch
 from torch import nn
+
+from aspire_ray.kernels.reference import rotary_ref
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -41,14 +45,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype).
+
+        On a GPU one fused kernel rotates k in place and q in place or into ``q_out[:T]`` (a
+        static buffer of the CUDA-graph path); elsewhere new tensors (copied into q_out if given).
+        """
+        if fused_ops(q):
+            from aspire_ray.kernels.rope import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos, self.sin, q_out), k
+        q, k = rotary_ref(positions, q, self.cos, self.sin), rotary_ref(positions, k, self.cos,
+                                                                          self.sin)  # fmt: skip
+        if q_out is not None:
+            q = q_out[: q.shape[0]].copy_(q)
+        return q, k
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos.float(), sin.float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_ops(x: torch.Tensor) -> bool:
+    """Whether x's device runs the fused Triton kernels (CUDA with triton installed); the CPU
+    keeps the pure-torch ops, which match transformers op for op."""
+    return x.is_cuda and _triton_available()

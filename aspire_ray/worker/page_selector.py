@@ -3,12 +3,18 @@
 A policy maps (page scores or None, page count P) to logical page indices, the recent pages
 last (so the partly filled last page lines up with ``kv_last_page_len``). Budget
 (DESIGN.md §1.1): k = max(k_min, ceil(rho * P)) pages; if P <= k the full list (exact).
+
+``select`` is the per-row meaning; ``layout`` gives the same lists for many rows at once as
+three numbers per row, so that the worker can build every draft row's list in one batch (the
+top-k part on the device, ``draft_pages.py``): the list is pages [0, head_end), then the n_top
+best-scoring candidates of [head_end, tail_start) in ascending order, then [tail_start, P).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from aspire_ray.config import SpecConfig
@@ -28,6 +34,14 @@ class PageSelector:
     def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
         raise NotImplementedError
 
+    def budgets(self, num_pages: np.ndarray) -> np.ndarray:
+        """``budget`` of every entry of int64 [R] (the same float64 arithmetic)."""
+        return np.maximum(self.cfg.k_min, np.ceil(self.cfg.rho * num_pages).astype(np.int64))
+
+    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 [R] page counts -> (head_end, n_top, tail_start), each int64 [R]."""
+        raise NotImplementedError
+
 
 class StreamingWindow(PageSelector):
     """StreamingLLM (MagicDec's draft): the sink page plus the most recent pages, k in all."""
@@ -37,6 +51,12 @@ class StreamingWindow(PageSelector):
         if num_pages <= k:
             return list(range(num_pages))
         return [0] + list(range(num_pages - (k - 1), num_pages))
+
+    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k = self.budgets(num_pages)
+        full = num_pages <= k
+        head_end = np.where(full, num_pages, 1)
+        return head_end, np.zeros_like(num_pages), np.where(full, num_pages, num_pages - (k - 1))
 
 
 class TopKPages(PageSelector):
@@ -67,6 +87,17 @@ class TopKPages(PageSelector):
             top = torch.sort(cand, descending=True, stable=True).indices[:n_top]
             middle = sorted((top + first_candidate).tolist())
         return sink + middle + list(range(recent_start, num_pages))
+
+    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # Without scores the middle is the window just before the recent pages: the device
+        # selection gives such rows ascending scores, so their latest candidates win.
+        k = self.budgets(num_pages)
+        full = num_pages <= k
+        sink = int(self.cfg.keep_sink_page)
+        recent = self.cfg.recent_pages
+        head_end = np.where(full, num_pages, sink)
+        n_top = np.where(full, 0, k - recent - sink)
+        return head_end, n_top, np.where(full, num_pages, num_pages - recent)
 
 
 def make_selector(cfg: SpecConfig) -> PageSelector | None:

@@ -1,6 +1,6 @@
 """Per-step attention plan: which page lists each layer uses, and the refresh layer.
 
-Built once per step by the model runner and handed to the model (``AttentionPlan``). Layers
+Built once per step by the worker and handed to the model (``AttentionPlan``). Layers
 before the refresh layer l_r use ``meta_pre`` (draft rows over their current sparse pages, other
 rows over all pages); l_r runs ``meta_refresh`` (full attention for every row that is scored)
 and returns the log-sum-exp, from which the scoring queries' page scores are computed; the
@@ -56,7 +56,14 @@ class StepAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store the step's k/v [T, Hkv, D] by slot, then attend (q [T, Hq, D])."""
         self.backend.store_kv(k, v, kv_cache, self.slot_mapping)
+        return self.attend_stored(layer, q, kv_cache, scale)
+
+    def attend_stored(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor,
+                      scale: float) -> torch.Tensor:  # fmt: skip
+        """Attention of q [T, Hq, D] once this layer's new K/V are in the cache (the CUDA-graph
+        path stores them inside its captured pieces) -> [T, Hq, D]."""
         if layer < self.refresh_layer:
             return self.backend.attention(q, kv_cache, self.meta_pre, scale)
         if layer > self.refresh_layer:

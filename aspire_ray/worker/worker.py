@@ -2,36 +2,78 @@
 
 One forward holds every row of the step (DESIGN.md §1.4): prefill chunks and verify rows over
 all their pages, draft rows over their sparse pages; the linear layers run once over all
-tokens. Per-request state kept here: block table, refresh-layer page scores, and the draft
-distributions q of pending drafts (sampling only).
+tokens (``step_batch.py`` flattens the rows and plans attention). On a GPU the dense parts of
+the forward replay piecewise CUDA graphs (``cuda_graphs.py``) and every kernel variant is
+compiled by ``warmup`` before the first real step. Per-request state kept here: block table,
+refresh-layer page scores (a row of a device table) and the draft distributions q of pending
+drafts (sampling only).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from aspire_ray.attention import get_backend
 from aspire_ray.config import EngineConfig
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput, StepPlan, Stream
 from aspire_ray.tp import TPGroup, single_rank
 
 from . import rejection_sampler, sampler
+from .cuda_graphs import PiecewiseGraphs
+from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
 from .page_selector import make_selector
-from .step_attention import ScoringQueries, StepAttention
+from .step_batch import StepBatch
+
+logger = logging.getLogger(__name__)
+MAX_GRAPH_TOKENS = 1024  # steps of more tokens (long prefill chunks) run the eager forward
+
+
+class BlockTable:
+    """A request's physical page ids in order: a growable int32 array (numpy, so that a step's
+    page lists are gathered without per-page Python work)."""
+
+    def __init__(self) -> None:
+        self.pages = np.empty(16, dtype=np.int32)
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def update(self, keep: int, new: list[int]) -> None:
+        """Truncate to ``keep`` pages, then append ``new``."""
+        size = min(keep, self.size) + len(new)
+        if size > len(self.pages):
+            grown = np.empty(max(size, 2 * len(self.pages)), dtype=np.int32)
+            grown[: self.size] = self.pages[: self.size]
+            self.pages = grown
+        self.pages[min(keep, self.size) : size] = new
+        self.size = size
+
+    def tolist(self) -> list[int]:
+        return self.pages[: self.size].tolist()
 
 
 @dataclass
 class WorkerRequest:
     sampling: SamplingSpec
-    block_table: list[int] = field(default_factory=list)
-    scores: torch.Tensor | None = None  # float32 [P_scored] refresh-layer page scores
+    block_table: BlockTable = field(default_factory=BlockTable)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q of pending drafts, [V]
+    table: PageScoreTable | None = None  # the worker's score table (scored policies only)
+    slot: int = -1  # this request's row of ``table``
+    scored_pages: int = 0  # pages with refresh-layer scores in that row; 0: never scored
+
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """float32 [scored_pages] refresh-layer page scores, or None before the first scoring."""
+        if self.table is None or not self.scored_pages:
+            return None
+        return self.table.row(self.slot, self.scored_pages)
 
 
 class Worker:
@@ -48,8 +90,22 @@ class Worker:
         self.refresh_layer = self._refresh_layer()
         self.kv_caches = self._allocate_kv()
         self.requests: dict[str, WorkerRequest] = {}
+        self.scores = PageScoreTable(self.device) \
+            if self.selector is not None and self.selector.uses_scores else None  # fmt: skip
+        self.graphs = self._graphs()
+        if self.device.type == "cuda":
+            self.warmup()
 
     # ---- setup -------------------------------------------------------------------------------
+    def _graphs(self) -> PiecewiseGraphs | None:
+        """CUDA graphs on a single GPU with the Triton backend (its KV store skips the padding
+        slots; tensor parallelism would need collectives inside the graphs)."""
+        if not (self.cfg.cuda_graphs and self.device.type == "cuda"
+                and self.tp.size == 1 and self.backend.name == "triton"):  # fmt: skip
+            return None
+        max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
+        return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device)
+
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
         layer = self.cfg.spec.refresh_layer
@@ -104,16 +160,29 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         for rid in plan.dropped_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for rid, spec in plan.new_requests.items():
-            self.requests[rid] = WorkerRequest(spec)
+            self._drop(rid)
+            req = WorkerRequest(spec, table=self.scores)
+            if self.scores is not None:
+                req.slot = self.scores.acquire()
+            self.requests[rid] = req
         for row in plan.rows:
-            bt = self.requests[row.req_id].block_table
-            del bt[row.pages_keep :]
-            bt.extend(row.pages_new)
-        batch = _Batch(self, plan.rows)
+            self.requests[row.req_id].block_table.update(row.pages_keep, row.pages_new)
+        if not plan.rows:
+            total = time.perf_counter() - t0
+            return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
+                                                 "total": total, "refresh": 0.0})
+        num_tokens = sum(row.num_tokens for row in plan.rows)
+        bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
+        graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
+        batch = StepBatch(self, plan.rows, graph_inputs)
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, batch.attention, self.kv_caches)
+        if bucket:
+            hidden = self.graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attention,
+                                self.kv_caches)  # fmt: skip
         logits = self.model.compute_logits(hidden[batch.logit_index])
         self._sync()
         t2 = time.perf_counter()
@@ -124,6 +193,49 @@ class Worker:
                    "refresh": batch.attention.refresh_seconds}
         return StepOutput(plan.step_id, results, timings)
 
+    def _drop(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None and self.scores is not None:
+            self.scores.release(req.slot)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Capture the CUDA graphs and compile every kernel variant before the first real step.
+
+        Triton compiles each constexpr variant on first use (~1 s): the attention query tile of
+        each verify length d + 1 (d = 0..d_max), with and without the refresh layer's
+        log-sum-exp, split-KV merges, page scoring. Synthetic steps run them all through
+        ``execute``: two prefills long enough for split-KV rows, then per d a verify row beside
+        a draft row; the requests are dropped after. Their KV lands in pages no request owns
+        yet (this runs in the constructor).
+        """
+        if self.graphs is not None:
+            try:
+                self.graphs.capture_all(self.kv_caches)
+            except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
+                logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+                self.graphs = None
+        spec, ps = self.cfg.spec, self.page_size
+        max_d = max(spec.d_max, spec.gamma, spec.fsm_max) if spec.speculative else 0
+        # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them
+        ctx = min(64 * ps + 1, (self.num_pages // 2) * ps - max_d - 1)
+        if ctx < 1:
+            return
+        need = -(-(ctx + max_d + 1) // ps)
+        ids = [i % self.arch.vocab_size for i in range(max(ctx, max_d + 1))]
+        greedy = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        names = ("__warmup_a", "__warmup_b")
+        rows = [RowPlan(rid, RowKind.PREFILL, ids[:ctx], 0, 0,
+                        list(range(i * need, (i + 1) * need)))
+                for i, rid in enumerate(names)]  # fmt: skip
+        self.execute(StepPlan(-1, rows, new_requests={rid: greedy for rid in names}))
+        for d in range(max_d + 1):
+            rows = [RowPlan(names[0], RowKind.VERIFY, ids[: d + 1], ctx, need, [], num_drafts=d)]
+            if spec.speculative:
+                rows.append(RowPlan(names[1], RowKind.DRAFT, ids[:1], ctx, need, []))
+            self.execute(StepPlan(-1, rows))
+        self.execute(StepPlan(-1, [], dropped_req_ids=list(names)))
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -133,6 +245,7 @@ class Worker:
                 offsets: list[int]) -> list[RowResult]:
         probs = self._probs(rows, logits, offsets)
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
+        drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -156,14 +269,34 @@ class Worker:
             if spec.greedy:
                 token = argmax[lo]
             else:
-                stream = Stream.DRAFT if row.kind == RowKind.DRAFT else Stream.TARGET
-                token = int(sampler.sample_from_probs(
-                    probs[lo : lo + 1], _i64([spec.seed], logits.device),
-                    _i64([row.context_len], logits.device), stream)[0])
+                token = drawn[r]
                 if row.kind == RowKind.DRAFT:
                     req.draft_probs.append(probs[lo])
             results.append(RowResult(row.req_id, row.kind, [token]))
         return results
+
+    def _draw_single(self, rows: list[RowPlan], probs: torch.Tensor,
+                     offsets: list[int]) -> dict[int, int]:  # fmt: skip
+        """The token of every non-greedy draft row and sampling prefill row (row -> token), one
+        batched draw per random stream instead of a draw (and a device sync) per row; the draw
+        of a row depends only on its own (seed, position, stream)."""
+        groups: dict[Stream, list[int]] = {Stream.DRAFT: [], Stream.TARGET: []}
+        for r, row in enumerate(rows):
+            if self.requests[row.req_id].sampling.greedy or row.kind == RowKind.VERIFY \
+                    or (row.kind == RowKind.PREFILL and not row.sample):  # fmt: skip
+                continue
+            groups[Stream.DRAFT if row.kind == RowKind.DRAFT else Stream.TARGET].append(r)
+        drawn: dict[int, int] = {}
+        for stream, rs in groups.items():
+            if not rs:
+                continue
+            dev = probs.device
+            seeds = _i64([self.requests[rows[r].req_id].sampling.seed for r in rs], dev)
+            positions = _i64([rows[r].context_len for r in rs], dev)
+            picked = probs[_i64([offsets[r] for r in rs], dev)]
+            tokens = sampler.sample_from_probs(picked, seeds, positions, stream).tolist()
+            drawn.update(zip(rs, tokens, strict=True))
+        return drawn
 
     def _probs(self, rows: list[RowPlan], logits: torch.Tensor,
                offsets: list[int]) -> torch.Tensor | None:
@@ -183,123 +316,3 @@ class Worker:
 
 def _i64(xs: list[int], device) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64, device=device)
-
-
-class _Batch:
-    """Flattened inputs and the attention plan of one step (built once, used by every layer)."""
-
-    def __init__(self, worker: Worker, rows: list[RowPlan]) -> None:
-        self.worker = worker
-        self.rows = rows
-        ps = worker.page_size
-        dev = worker.device
-        ids, pos, slots, logit_index, offsets = [], [], [], [], [0]
-        q_lens, full_pages, kv_lens = [], [], []
-        token_start = 0
-        for row in rows:
-            bt = worker.requests[row.req_id].block_table
-            n, ctx = row.num_tokens, row.context_len
-            if math.ceil(ctx / ps) > len(bt):
-                raise RuntimeError(f"request {row.req_id}: {len(bt)} pages cannot hold {ctx} tokens")
-            ids += row.token_ids
-            for p in range(row.start_pos, ctx):
-                pos.append(p)
-                slots.append(bt[p // ps] * ps + p % ps)
-            if row.kind == RowKind.VERIFY:
-                logit_index += range(token_start, token_start + n)
-            elif row.kind == RowKind.DRAFT or row.sample:
-                logit_index.append(token_start + n - 1)
-            offsets.append(len(logit_index))
-            q_lens.append(n)
-            full_pages.append(bt[: math.ceil(ctx / ps)])
-            kv_lens.append(ctx)
-            token_start += n
-        self.input_ids = _i64(ids, dev)
-        self.positions = _i64(pos, dev)
-        self.logit_index = _i64(logit_index, dev)
-        self.logit_offsets = offsets
-        self.q_lens, self.full_pages, self.kv_lens = q_lens, full_pages, kv_lens
-        slot_mapping = _i64(slots, dev)
-
-        spec = worker.cfg.spec
-        selector = worker.selector
-        self.draft_rows = [r for r, row in enumerate(rows) if row.kind == RowKind.DRAFT]
-        meta_full = PagedKVMeta.build(q_lens, full_pages, kv_lens, ps, dev)
-        if not self.draft_rows and (selector is None or not selector.uses_scores):
-            self.attention = StepAttention(worker.backend, worker.tp, slot_mapping, meta_full,
-                                           worker.refresh_layer)
-            return
-        meta_pre = self._meta_with_sparse_drafts() if self.draft_rows else meta_full
-        scoring = self._scoring_queries(spec.refresh_while_drafting) if selector.uses_scores \
-            else None
-        refresh_full = spec.refresh_while_drafting or not self.draft_rows
-        self.attention = StepAttention(
-            worker.backend, worker.tp, slot_mapping, meta_pre, worker.refresh_layer,
-            meta_refresh=meta_full if refresh_full else meta_pre,
-            scoring=scoring, on_scores=self._apply_scores,
-        )
-
-    def _sparse_pages(self, r: int) -> tuple[list[int], int]:
-        """Row r's sparse page ids (recent last) and their visible token count."""
-        row = self.rows[r]
-        req = self.worker.requests[row.req_id]
-        ps = self.worker.page_size
-        n_pages = len(self.full_pages[r])
-        chosen = self.worker.selector.select(req.scores, n_pages)
-        last_len = row.context_len - (n_pages - 1) * ps
-        return [req.block_table[j] for j in chosen], (len(chosen) - 1) * ps + last_len
-
-    def _meta_with_sparse_drafts(self) -> PagedKVMeta:
-        pages, kv_lens = list(self.full_pages), list(self.kv_lens)
-        for r in self.draft_rows:
-            pages[r], kv_lens[r] = self._sparse_pages(r)
-        return PagedKVMeta.build(self.q_lens, pages, kv_lens, self.worker.page_size,
-                                 self.worker.device)
-
-    def _scoring_queries(self, score_drafts: bool) -> ScoringQueries | None:
-        """Which queries score pages at the refresh layer (DESIGN.md §1.2).
-
-        Draft rows (when refreshing while drafting): their one query. Verify rows: first and
-        last query (averaged later). Prefill rows that sample: the last prompt token.
-        """
-        ps = self.worker.page_size
-        idx, pages, kv_lens, owners = [], [], [], []
-        start = 0
-        for r, row in enumerate(self.rows):
-            n, ctx = row.num_tokens, row.context_len
-            queries: list[int] = []
-            if row.kind == RowKind.DRAFT and score_drafts:
-                queries = [n - 1]
-            elif row.kind == RowKind.VERIFY:
-                queries = [0, n - 1] if n > 1 else [0]
-            elif row.kind == RowKind.PREFILL and row.sample:
-                queries = [n - 1]
-            for i in queries:
-                visible = ctx - n + 1 + i
-                idx.append(start + i)
-                pages.append(self.full_pages[r][: math.ceil(visible / ps)])
-                kv_lens.append(visible)
-                owners.append(r)
-            start += n
-        if not idx:
-            return None
-        self.score_owners = owners
-        meta = PagedKVMeta.build([1] * len(idx), pages, kv_lens, ps, self.worker.device)
-        return ScoringQueries(_i64(idx, self.worker.device), meta)
-
-    def _apply_scores(self, page_scores: torch.Tensor) -> PagedKVMeta:
-        """Store each scored request's page scores; re-select draft rows' pages for later layers."""
-        t0 = time.perf_counter()
-        kvp = self.attention.scoring.meta.kv_indptr_host
-        per_row: dict[int, list[torch.Tensor]] = {}
-        for s, r in enumerate(self.score_owners):
-            per_row.setdefault(r, []).append(page_scores[kvp[s] : kvp[s + 1]].float().cpu())
-        for r, parts in per_row.items():
-            n = max(p.shape[0] for p in parts)
-            total = torch.zeros(n)
-            for p in parts:
-                total[: p.shape[0]] += p
-            self.worker.requests[self.rows[r].req_id].scores = total / len(parts)
-        meta = self._meta_with_sparse_drafts() if self.draft_rows else self.attention.meta_pre
-        self.attention.refresh_seconds += time.perf_counter() - t0
-        return meta

@@ -1,0 +1,178 @@
+"""Piecewise CUDA graphs of the decoder's dense work (vLLM's "piecewise" graphs).
+
+Between two attention calls the forward is dense and its shapes depend only on the token
+count: o_proj, residual add + norm, MLP, the next layer's norm, qkv, q/k norm, RoPE and the KV
+store. Per bucket n of padded token counts (powers of two up to ``max_tokens``) those L + 1
+pieces are captured once:
+
+    piece 0:      embed -> layer 0 pre-attention (q -> the static q buffer, k/v -> KV store)
+    piece i:      layer i-1 post-attention (o_proj, MLP) -> layer i pre-attention
+    piece L:      layer L-1 post-attention -> final norm -> hidden (static output)
+
+A step of T <= n tokens writes its inputs into the bucket's static [3, n] buffer (ids,
+positions, KV slots; padding has slot -1, which the KV store skips), replays piece 0, and for
+each layer runs attention eagerly over the T real tokens (its page lists and work split change
+every step) between replays. Padded rows compute garbage that no real row reads: every dense op
+is row-wise. Steps larger than the biggest bucket run the eager forward.
+
+Invariants: replays run in capture order on one stream, so the graphs share one memory pool;
+state passed between pieces lives in buffers allocated outside the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from aspire_ray.attention import AttentionBackend
+from aspire_ray.model.decoder import DecoderModel
+
+from .step_attention import StepAttention
+
+
+class _CudaGraph:
+    """One captured piece: capture(fn) records fn's kernels; replay() reruns them."""
+
+    def __init__(self, pool, stream: torch.cuda.Stream) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool, self.stream = pool, stream
+
+    def capture(self, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        # capture_begin/end rather than torch.cuda.graph(): that one also runs gc.collect()
+        # and empty_cache() for every capture, which dominates capturing hundreds of pieces
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin(pool=self.pool)
+            try:
+                out = fn()
+            finally:
+                self.graph.capture_end()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """Stand-in for tests off the GPU: replay() reruns the function and copies its result into
+    the tensor returned at capture, as a CUDA graph would rewrite that memory."""
+
+    def __init__(self, pool=None, stream=None) -> None:
+        self.fn, self.out = None, None
+
+    def capture(self, fn):
+        self.fn, self.out = fn, fn()
+        return self.out
+
+    def replay(self) -> None:
+        out = self.fn()
+        if self.out is not None:
+            self.out.copy_(out)
+
+
+def buckets(max_tokens: int) -> list[int]:
+    """Padded token counts that get graphs: powers of two up to max_tokens."""
+    out, n = [], 1
+    while n <= max_tokens:
+        out.append(n)
+        n *= 2
+    return out
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: DecoderModel, backend: AttentionBackend, max_tokens: int,
+                 device: torch.device, graph_factory=None) -> None:  # fmt: skip
+        self.model, self.backend, self.device = model, backend, device
+        self.buckets = buckets(max_tokens)
+        tmax = self.buckets[-1]
+        attn = model.layers[0].self_attn
+        dtype = model.embed_tokens.weight.dtype
+        hidden = model.arch.hidden_size
+        with torch.inference_mode():
+            self.residual = torch.zeros(tmax, hidden, dtype=dtype, device=device)
+            self.q = torch.zeros(tmax, attn.q_heads, attn.head_dim, dtype=dtype, device=device)
+            self.attn_out = torch.zeros_like(self.q)
+        self.inputs: dict[int, torch.Tensor] = {}  # n -> int64 [3, n']: ids, positions, slots
+        self.graphs: dict[int, list] = {}  # n -> L + 1 captured pieces
+        self.hidden: dict[int, torch.Tensor] = {}  # n -> [n, hidden] output of the last piece
+        self._kv_ptr: int | None = None
+        self._stream = None  # captures (and their warm-up runs) go on this side stream
+        if graph_factory is None:
+            pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+            graph_factory = lambda: _CudaGraph(pool, self._stream)
+        self._new_graph = graph_factory
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest bucket holding num_tokens, or None (run eagerly)."""
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def inputs_for(self, n: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The static int64 [3, n'] input buffer of bucket n (n' = n rounded up to even; the
+        graphs read [:, :n]), capturing the bucket first if needed (a capture must come before
+        the step's inputs are written: it stores no KV)."""
+        if self._kv_ptr != kv_caches[0].data_ptr():  # a new KV pool (resize): recapture
+            self.graphs.clear()
+            self.hidden.clear()
+            self._kv_ptr = kv_caches[0].data_ptr()
+        if n not in self.graphs:
+            self._capture(n, kv_caches)
+        return self.inputs[n]
+
+    def capture_all(self, kv_caches: list[torch.Tensor]) -> None:
+        for n in reversed(self.buckets):  # largest first: smaller ones reuse its pool memory
+            self.inputs_for(n, kv_caches)
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _piece(self, i: int, n: int, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        model, layers = self.model, self.model.layers
+        ids, positions, slots = self.inputs[n][:, :n]
+        residual, q_out = self.residual[:n], self.q[:n]
+        if i == 0:
+            residual.copy_(model.embed_tokens(ids))
+            x = None
+        else:
+            x = layers[i - 1].post_attention(self.attn_out[:n], residual)
+        if i == len(layers):
+            return model.norm(x, residual)
+        _, k, v = layers[i].pre_attention(x, residual, positions, model.rotary, q_out)
+        self.backend.store_kv(k, v, kv_caches[i], slots)
+        return None
+
+    def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
+        with torch.inference_mode():
+            if n not in self.inputs:  # even width: every row 16-byte aligned (Triton)
+                self.inputs[n] = torch.zeros(3, n + n % 2, dtype=torch.int64, device=self.device)
+            self.inputs[n][2].fill_(-1)  # the warm-up run and the capture write no KV
+            pieces = [lambda i=i: self._piece(i, n, kv_caches)
+                      for i in range(len(self.model.layers) + 1)]  # fmt: skip
+            self._sync()
+            # once eagerly, on the capture stream: JIT compiles, the stream's cuBLAS workspace
+            side = self._stream is not None
+            with torch.cuda.stream(self._stream) if side else contextlib.nullcontext():
+                for fn in pieces:
+                    fn()
+            self._sync()
+            graphs = []
+            for fn in pieces:
+                g = self._new_graph()
+                out = g.capture(fn)
+                graphs.append(g)
+            self._sync()
+        self.graphs[n], self.hidden[n] = graphs, out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def run(self, n: int, num_tokens: int, attention: StepAttention,
+            kv_caches: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """Replay bucket n (inputs already in ``inputs_for(n)``) -> hidden [num_tokens, H]."""
+        graphs, t = self.graphs[n], num_tokens
+        q, attn_out = self.q[:t], self.attn_out[:t]
+        graphs[0].replay()
+        for i, layer in enumerate(self.model.layers):
+            attn_out.copy_(attention.attend_stored(i, q, kv_caches[i], layer.self_attn.scale))
+            graphs[i + 1].replay()
+        return self.hidden[n][:t]

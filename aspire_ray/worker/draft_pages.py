@@ -1,0 +1,98 @@
+"""Refresh-layer page scores on the device, and every draft row's top-k pages in one batch.
+
+The lengths of a step's sparse page lists depend only on each row's page count (the policy's
+``layout``), so the worker plans them on the host; only which candidate pages fill the top-k
+middle of a ``TopKPages`` list depends on scores, and that is chosen here for all draft rows at
+once with a few tensor ops, without a device sync. The choice equals ``TopKPages.select`` row by
+row: candidates sorted by score, descending and stable (ties to the lower page index), missing
+scores 0; rows never scored take the window just before the recent pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageScoreTable:
+    """Page scores of the live requests: float32 [slots, width] on the worker's device.
+
+    A request owns one slot (row) while it lives on the worker. Row s holds the request's scores
+    for the pages its scoring queries saw, averaged over those queries (DESIGN.md §1.2), and 0
+    past them; it is rewritten whole each time the request is scored.
+    """
+
+    def __init__(self, device: torch.device, width: int = 64, slots: int = 16) -> None:
+        self.device = device
+        self.scores = torch.zeros(slots, width, dtype=torch.float32, device=device)
+        self.free = list(range(slots - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self.free:
+            old = self.scores.shape[0]
+            self._resize(2 * old, self.scores.shape[1])
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def ensure_width(self, pages: int) -> None:
+        """Make room for requests of ``pages`` pages (called while planning, before any use)."""
+        if pages > self.scores.shape[1]:
+            self._resize(self.scores.shape[0], max(pages, 2 * self.scores.shape[1]))
+
+    def _resize(self, slots: int, width: int) -> None:
+        grown = torch.zeros(slots, width, dtype=torch.float32, device=self.device)
+        grown[: self.scores.shape[0], : self.scores.shape[1]] = self.scores
+        self.scores = grown
+
+    @property
+    def width(self) -> int:
+        return self.scores.shape[1]
+
+    def store(self, page_scores: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor,
+              num_queries: torch.Tensor) -> None:  # fmt: skip
+        """Replace the rows ``slots`` by the mean of their scoring queries' page scores.
+
+        page_scores: float32 [nnz] (every scoring query's listed pages, flat); dest: int [nnz],
+        the flat table index (slot * width + page) of each; slots: int [S] distinct owners;
+        num_queries: float32 [S], each owner's scoring-query count (1 or 2).
+        """
+        slots = slots.long()
+        self.scores.index_fill_(0, slots, 0.0)
+        self.scores.view(-1).index_add_(0, dest.long(), page_scores)
+        # sum, then divide: the same rounding as averaging the per-query lists on the host
+        self.scores.index_copy_(0, slots, self.scores.index_select(0, slots) / num_queries[:, None])
+
+    def row(self, slot: int, pages: int) -> torch.Tensor:
+        return self.scores[slot, :pages]
+
+
+def choose_top_pages(template: torch.Tensor, full_indices: torch.Tensor, table: PageScoreTable,
+                     rows: torch.Tensor, has_scores: torch.Tensor, first: int,
+                     max_candidates: int) -> torch.Tensor:  # fmt: skip
+    """Fill the top-k middle of each listed row's sparse page list; returns a new kv_indices.
+
+    template:     int32 [nnz] the step's sparse kv_indices with every host-known page in place
+    full_indices: int32 [nnz_full] the step's full kv_indices (the physical page ids)
+    rows:         int32 [5, R] per row: score-table slot, candidate count, n_top, offset of the
+                  middle in ``template``, offset of the first candidate in ``full_indices``
+    has_scores:   bool [R] whether the row's request has been scored
+    first:        logical index of the first candidate page (the same for every row)
+    max_candidates: max over rows of the candidate count (host int, so no sync)
+    """
+    slot, n_cand, n_top, dst, src = rows.long().unbind(0)
+    col = torch.arange(max_candidates, device=template.device)
+    vals = table.scores.index_select(0, slot)[:, first : first + max_candidates]
+    vals = torch.where(has_scores[:, None], vals, col.float()[None, :])
+    vals = vals.masked_fill(col[None, :] >= n_cand[:, None], float("-inf"))
+    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    rank_ok = (col[None, :] < n_top[:, None]).expand_as(order)
+    chosen = torch.zeros_like(rank_ok).scatter_(1, order, rank_ok)
+    pos = chosen.long().cumsum(1) - 1  # ascending page order within the middle
+    phys = full_indices[(src[:, None] + col[None, :]).clamp_(max=full_indices.shape[0] - 1)]
+    nnz = template.shape[0]
+    dest = torch.where(chosen, dst[:, None] + pos, nnz)  # unchosen: a dummy slot past the end
+    out = torch.cat([template, template.new_zeros(1)])
+    out.scatter_(0, dest.flatten(), phys.flatten())
+    return out[:nnz]

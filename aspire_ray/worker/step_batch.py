@@ -1,0 +1,274 @@
+"""One step's flattened inputs and attention plan (DESIGN.md §1.4: built once, used by every layer).
+
+Built on the host with numpy (no per-token Python loops) and sent to the device in two pinned,
+asynchronous copies: the int64 token inputs (ids, positions, KV slots; padded to the CUDA-graph
+bucket when graphs run) and one int32 buffer holding every page list and index of the step.
+Draft rows' sparse lists are planned here (their lengths depend only on page counts); their
+top-k middles are chosen on the device (``draft_pages``) before the first layer and again after
+the refresh layer has scored pages. Nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.plan import RowKind, RowPlan
+
+from .draft_pages import choose_top_pages
+from .step_attention import ScoringQueries, StepAttention
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+_VERIFY, _DRAFT, _PREFILL = int(RowKind.VERIFY), int(RowKind.DRAFT), int(RowKind.PREFILL)
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """[R] counts -> [R + 1] exclusive prefix sums (int64)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """[R] counts -> the concatenation of arange(c) for each c."""
+    starts = _offsets(counts)
+    return np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], counts)
+
+
+def to_device(host: np.ndarray, device: torch.device, out: torch.Tensor | None = None):
+    """One host->device copy without a device sync (pinned source, non_blocking), into ``out``
+    (contiguous) when given. Returns (the host tensor, to keep alive; the device tensor)."""
+    src = torch.from_numpy(host)
+    if device.type != "cuda":
+        return src, src if out is None else out.copy_(src)
+    src = src.pin_memory()
+    if out is None:
+        return src, src.to(device, non_blocking=True)
+    return src, out.copy_(src, non_blocking=True)
+
+
+class _Int32Upload:
+    """Host int32 arrays gathered while planning, sent in one copy. Parts start 16-byte aligned:
+    Triton specialises kernels on pointer alignment, which must not change from step to step."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+
+    def add(self, arr) -> int:
+        self.parts.append(np.asarray(arr, dtype=np.int32).reshape(-1))
+        return len(self.parts) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor]:
+        starts, total = [], 0
+        for p in self.parts:
+            starts.append(total)
+            total += -(-len(p) // 4) * 4
+        buf = np.zeros(max(total, 4), dtype=np.int32)
+        for s, p in zip(starts, self.parts, strict=True):
+            buf[s : s + len(p)] = p
+        self.host, dev = to_device(buf, device)
+        return [dev[s : s + len(p)] for s, p in zip(starts, self.parts, strict=True)]
+
+
+@dataclass
+class _Lists:
+    """Host arrays of one PagedKVMeta and their upload handles."""
+
+    q_lens: np.ndarray
+    pages: np.ndarray
+    last: np.ndarray
+    handles: tuple[int, int, int, int]  # qo_indptr, kv_indptr, kv_indices, last_page_len
+
+    def meta(self, t: list[torch.Tensor], page_size: int) -> PagedKVMeta:
+        h = self.handles
+        return PagedKVMeta(t[h[0]], t[h[1]], t[h[2]], t[h[3]], page_size,
+                           qo_indptr_host=_offsets(self.q_lens).tolist(),
+                           kv_indptr_host=_offsets(self.pages).tolist(),
+                           kv_last_page_len_host=self.last.tolist())  # fmt: skip
+
+
+class StepBatch:
+    """Flattened inputs and the attention plan of one step.
+
+    tokens: int64 [3, n] on the device (ids, positions, KV slots), n = T real tokens or the
+    padded graph bucket (ids 0, positions 0, slots -1 past T); input_ids, positions and
+    slot_mapping are its [T] views. logit_index: int32 [N] tokens whose logits are needed;
+    logit_offsets: [R + 1] host offsets of each row's logits among them.
+    """
+
+    def __init__(self, worker: Worker, rows: list[RowPlan],
+                 graph_inputs: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.worker, self.rows = worker, rows
+        ps, dev = worker.page_size, worker.device
+        reqs = [worker.requests[row.req_id] for row in rows]
+        nr = len(rows)
+        n = np.fromiter((row.num_tokens for row in rows), np.int64, nr)
+        start = np.fromiter((row.start_pos for row in rows), np.int64, nr)
+        kind = np.fromiter((int(row.kind) for row in rows), np.int64, nr)
+        sample = np.fromiter((row.sample for row in rows), bool, nr)
+        ctx = start + n
+        pages = (ctx + ps - 1) // ps
+        for req, row, p in zip(reqs, rows, pages.tolist(), strict=True):
+            if p > len(req.block_table):
+                raise RuntimeError(f"request {row.req_id}: {len(req.block_table)} pages cannot "
+                                   f"hold {row.context_len} tokens")  # fmt: skip
+        full = np.concatenate([req.block_table.pages[:p]
+                               for req, p in zip(reqs, pages.tolist(), strict=True)])  # fmt: skip
+        full_kvp, tok_kvp = _offsets(pages), _offsets(n)
+        t = int(tok_kvp[-1])
+        self.num_tokens = t
+        pos = _ragged_arange(n) + np.repeat(start, n)
+        # even width: each row starts 16-byte aligned (Triton specialises on alignment)
+        width = t + t % 2 if graph_inputs is None else graph_inputs.shape[1]
+        tokens = np.zeros((3, width), dtype=np.int64)
+        tokens[0, :t] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows),
+                                    np.int64, t)  # fmt: skip
+        tokens[1, :t] = pos
+        tokens[2, t:] = -1  # padding tokens: the KV store skips negative slots
+        tokens[2, :t] = full[np.repeat(full_kvp[:-1], n) + pos // ps].astype(np.int64) * ps \
+            + pos % ps  # fmt: skip
+        self._tokens_host, self.tokens = to_device(tokens, dev, graph_inputs)
+        self.input_ids, self.positions, self.slot_mapping = (x[:t] for x in self.tokens)
+
+        # logits: every token of a verify row; the last token of a draft row / sampling prefill
+        n_logits = np.where(kind == _VERIFY, n,
+                            ((kind == _DRAFT) | ((kind == _PREFILL) & sample)).astype(np.int64))
+        self.logit_offsets = _offsets(n_logits).tolist()
+        up = _Int32Upload()
+        h_logits = up.add(np.repeat(tok_kvp[1:] - n_logits, n_logits) + _ragged_arange(n_logits))
+        last = ctx - (pages - 1) * ps
+        full_lists = _Lists(n, pages, last, (up.add(tok_kvp), up.add(full_kvp), up.add(full),
+                                             up.add(last)))  # fmt: skip
+        selector, spec = worker.selector, worker.cfg.spec
+        draft = kind == _DRAFT
+        self.has_drafts = bool(draft.any())
+        if worker.scores is not None:
+            worker.scores.ensure_width(int(pages.max()))
+        scoring = None
+        if selector is not None and selector.uses_scores:
+            scoring = self._plan_scoring(up, reqs, n, kind, sample, ctx, pages, full, full_kvp,
+                                         tok_kvp, spec.refresh_while_drafting)  # fmt: skip
+        sparse = None
+        if self.has_drafts:
+            scored_rows = scoring[-1] if scoring is not None else np.zeros(nr, bool)
+            sparse = self._plan_sparse(up, reqs, draft, n, pages, last, full, full_kvp,
+                                       full_lists.handles, scored_rows)  # fmt: skip
+        if scoring is not None:  # after _plan_sparse, which reads the scores held before
+            for r in np.nonzero(scoring[-1])[0].tolist():
+                reqs[r].scored_pages = int(pages[r])
+
+        tensors = up.send(dev)
+        self._upload = up  # its pinned source outlives the asynchronous copy
+        self.logit_index = tensors[h_logits]
+        meta_full = full_lists.meta(tensors, ps)
+        self.full_indices = meta_full.kv_indices
+        meta_pre, self._top = meta_full, None
+        if sparse is not None:
+            lists, top = sparse
+            meta_pre = lists.meta(tensors, ps)
+            if top is not None:
+                h_info, first, max_cand, h_pre, h_post = top
+                self._template = meta_pre.kv_indices
+                self._top = (tensors[h_info].view(5, -1), first, max_cand)
+                self._has_post = None if h_post is None else tensors[h_post].bool()
+                meta_pre.kv_indices = self._choose(self._template, tensors[h_pre].bool())
+        queries = None
+        if scoring is not None:
+            h_idx, q_lists, h_dest, h_slots, h_count, _ = scoring
+            queries = ScoringQueries(tensors[h_idx], q_lists.meta(tensors, ps))
+            self._store = (tensors[h_dest], tensors[h_slots], tensors[h_count].float())
+        refresh_full = spec.refresh_while_drafting or not self.has_drafts
+        self.attention = StepAttention(
+            worker.backend, worker.tp, self.slot_mapping, meta_pre, worker.refresh_layer,
+            meta_refresh=meta_full if refresh_full else meta_pre, scoring=queries,
+            on_scores=self._apply_scores if queries is not None else None,
+        )
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _plan_scoring(self, up, reqs, n, kind, sample, ctx, pages, full, full_kvp, tok_kvp,
+                      score_drafts: bool):  # fmt: skip
+        """Which queries score pages at the refresh layer (DESIGN.md §1.2), and where their
+        scores go in the table. Draft rows (when refreshing while drafting): their one query;
+        verify rows: first and last query (averaged); sampling prefill rows: the last token."""
+        ps = self.worker.page_size
+        two = (kind == _VERIFY) & (n > 1)
+        one = ((kind == _DRAFT) & score_drafts) | ((kind == _PREFILL) & sample) | \
+            ((kind == _VERIFY) & (n == 1))  # fmt: skip
+        n_q = one.astype(np.int64) + 2 * two
+        if not n_q.any():
+            return None
+        q_row = np.repeat(np.arange(len(n)), n_q)
+        local = np.where(two[q_row] & (_ragged_arange(n_q) == 0), 0, n[q_row] - 1)
+        visible = ctx[q_row] - n[q_row] + 1 + local
+        q_pages = (visible + ps - 1) // ps
+        j = _ragged_arange(q_pages)
+        indices = full[np.repeat(full_kvp[q_row], q_pages) + j]
+        q_last = visible - (q_pages - 1) * ps
+        q_lists = _Lists(np.ones(len(q_row), np.int64), q_pages, q_last,
+                         (up.add(np.arange(len(q_row) + 1)), up.add(_offsets(q_pages)),
+                          up.add(indices), up.add(q_last)))  # fmt: skip
+        owners = np.nonzero(n_q)[0]
+        slot = np.zeros(len(n), np.int64)
+        slot[owners] = [reqs[r].slot for r in owners.tolist()]
+        dest = np.repeat(slot[q_row] * self.worker.scores.width, q_pages) + j
+        return (up.add(tok_kvp[q_row] + local), q_lists, up.add(dest), up.add(slot[owners]),
+                up.add(n_q[owners]), n_q > 0)
+
+    def _plan_sparse(self, up, reqs, draft, n, pages, last, full, full_kvp, full_handles,
+                     scored_rows):  # fmt: skip
+        """Draft rows' lists from the policy's layout, full lists for the other rows. Returns
+        the lists (middles still placeholders) and, if some row has a top-k middle, what the
+        device choice needs."""
+        head_end, n_top, tail_start = self.worker.selector.layout(pages)
+        head_end = np.where(draft, head_end, pages)
+        n_top = np.where(draft, n_top, 0)
+        tail_start = np.where(draft, tail_start, pages)
+        counts = head_end + n_top + (pages - tail_start)
+        sparse_kvp = _offsets(counts)
+        j = _ragged_arange(counts)
+        jump = np.repeat(head_end + n_top, counts)
+        logical = np.where(j >= jump, j + np.repeat(tail_start, counts) - jump,
+                           np.minimum(j, np.repeat(pages, counts) - 1))  # middles: placeholders
+        indices = full[np.repeat(full_kvp[:-1], counts) + logical]
+        lists = _Lists(n, counts, last, (full_handles[0], up.add(sparse_kvp), up.add(indices),
+                                         full_handles[3]))  # fmt: skip
+        top = np.nonzero(n_top > 0)[0]
+        if len(top) == 0:
+            return lists, None
+        slot = np.fromiter((reqs[r].slot for r in top.tolist()), np.int64, len(top))
+        has_pre = np.fromiter((reqs[r].scored_pages > 0 for r in top.tolist()), bool, len(top))
+        n_cand = tail_start[top] - head_end[top]
+        info = np.stack([slot, n_cand, n_top[top], sparse_kvp[top] + head_end[top],
+                         full_kvp[top] + head_end[top]])  # fmt: skip
+        # after the refresh layer only rows whose request it scored can change
+        h_post = up.add(has_pre | scored_rows[top]) if scored_rows[top].any() else None
+        return lists, (up.add(info), int(head_end[top[0]]), int(n_cand.max()), up.add(has_pre),
+                       h_post)
+
+    # ---- device choice -------------------------------------------------------------------------
+    def _choose(self, template: torch.Tensor, has_scores: torch.Tensor) -> torch.Tensor:
+        rows, first, max_cand = self._top
+        return choose_top_pages(template, self.full_indices, self.worker.scores, rows,
+                                has_scores, first, max_cand)  # fmt: skip
+
+    def _apply_scores(self, page_scores: torch.Tensor) -> PagedKVMeta:
+        """Store the scored requests' page scores; re-choose the draft rows' pages that changed."""
+        t0 = time.perf_counter()
+        self.worker.scores.store(page_scores, *self._store)
+        meta = self.attention.meta_pre
+        if self._top is not None and self._has_post is not None:
+            meta = replace(meta, kv_indices=self._choose(self._template, self._has_post))
+            # the attention plan depends only on the host lists, which are unchanged
+            plans = self.attention.meta_pre.__dict__.get("_triton_attention_plans")
+            if plans is not None:
+                meta.__dict__["_triton_attention_plans"] = plans
+        self.attention.refresh_seconds += time.perf_counter() - t0
+        return meta
