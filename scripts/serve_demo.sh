@@ -6,15 +6,18 @@ set -euo pipefail
 config="${1:-serve_configs/local.yaml}"
 prompt="${2:-The capital of France is}"
 url="http://127.0.0.1:8000"
-serve_bin="$(dirname "$(command -v python3)")/serve"
-[ -x .venv/bin/serve ] && serve_bin=.venv/bin/serve
+# the README's venv, else a `serve` on PATH, else Ray's CLI module (e.g. Ray installed with
+# pip --target, which leaves no script on PATH)
+if [ -x .venv/bin/serve ]; then serve_cmd=(.venv/bin/serve)
+elif command -v serve >/dev/null; then serve_cmd=(serve)
+else serve_cmd=(python3 -m ray.serve.scripts); fi
 if curl -sf "$url/health" >/dev/null 2>&1; then
     echo "something already answers on $url; stop it first" >&2
     exit 1
 fi
 # own process group, so that one signal reaches serve and the Ray processes it starts
 # (SIGTERM: a background job of a non-interactive shell ignores SIGINT)
-setsid "$serve_bin" run "$config" > serve.log 2>&1 &
+setsid "${serve_cmd[@]}" run "$config" > serve.log 2>&1 &
 server=$!
 stop() { kill -TERM -- "-$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
 trap stop EXIT
