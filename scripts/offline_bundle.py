@@ -32,7 +32,8 @@ SERVE_WHEELS = [
     "opencensus", "opencensus-context", "aiohttp-cors", "colorful", "smart-open", "virtualenv",
     "distlib", "platformdirs", "opentelemetry-api", "opentelemetry-sdk",
     "opentelemetry-exporter-prometheus", "opentelemetry-proto",
-    "opentelemetry-semantic-conventions", "google-api-core", "google-auth", "cryptography",
+    "opentelemetry-semantic-conventions", "google-api-core", "google-auth",
+    "googleapis-common-protos", "proto-plus", "cryptography",
     "mmh3", "watchfiles", "websockets", "httptools", "python-dotenv", "py-spy", "gguf",
     "grpcio-reflection==1.84.0",  # must match the grpcio of the usual GPU image
 ]
@@ -58,8 +59,11 @@ def slim_ray(wheel: Path, dest: Path) -> Path:
             parts = name.split("/")
             if parts[0] == "ray" and len(parts) > 1 and parts[1] in RAY_DROP:
                 continue
-            zf.extract(name, tmp)
-            tf.add(Path(tmp) / name, arcname=name)
+            path = Path(zf.extract(name, tmp))
+            mode = zf.getinfo(name).external_attr >> 16  # unix mode bits (executables!)
+            if mode and path.is_file():
+                path.chmod(mode & 0o777)
+            tf.add(path, arcname=name)
     wheel.unlink()
     return out
 
