@@ -16,6 +16,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_speedup(report: dict, out: Path) -> Path:
     rows = report["results"]
     contexts = list(dict.fromkeys(r["context"] for r in rows))
@@ -33,11 +40,7 @@ def plot_speedup(report: dict, out: Path) -> Path:
     ax.set_title(f"Decode speedup per mode (batch {rows[0].get('batch')}, "
                  f"{rows[0].get('device')})")
     ax.legend(fontsize=8)
-    path = out / "speedup.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "speedup.png")
 
 
 def plot_breakdown(report: dict, out: Path) -> Path:
@@ -58,11 +61,7 @@ def plot_breakdown(report: dict, out: Path) -> Path:
     ax.set_ylabel("ms per committed token")
     ax.set_title("Where decode time goes, by step kind")
     ax.legend(fontsize=7)
-    path = out / "breakdown.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "breakdown.png")
 
 
 def plot_acceptance(report: dict, out: Path) -> list[Path]:
@@ -77,10 +76,7 @@ def plot_acceptance(report: dict, out: Path) -> list[Path]:
     ax.set_ylim(0, 1.02)
     ax.set_title(f"Acceptance by draft position ({report['model']}, ctx {report['context']})")
     ax.legend(fontsize=8)
-    p1 = out / "acceptance_by_position.png"
-    fig.tight_layout()
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    p1 = _save(fig, out / "acceptance_by_position.png")
     n = report["num_layers"]
     default = next(r for r in report["modes"] if r["mode"] == "aspire_fixed")
     points = [(n - 2, default["acceptance_rate"])] + [
@@ -91,10 +87,7 @@ def plot_acceptance(report: dict, out: Path) -> list[Path]:
     ax.set_xlabel(f"refresh layer l_r (of {n})")
     ax.set_ylabel(f"acceptance rate (gamma = {report['gamma']})")
     ax.set_title("Refresh-layer sweep")
-    p2 = out / "refresh_layer_sweep.png"
-    fig.tight_layout()
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
+    p2 = _save(fig, out / "refresh_layer_sweep.png")
     return [p1, p2]
 
 
