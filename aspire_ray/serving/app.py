@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket
 from contextlib import suppress
 
 from fastapi import Depends, FastAPI, Request
@@ -37,6 +38,14 @@ def create_app(engine: AsyncLLMEngine, args: AppArgs,
     cap = args.server.max_body_bytes
     api_key = args.server.api_key
     app = FastAPI(title="aspire_ray", docs_url=None, redoc_url=None, openapi_url=None)
+    replica = f"{socket.gethostname()}:{os.getpid()}"
+
+    @app.middleware("http")
+    async def _tag_replica(request: Request, call_next):
+        # which engine driver answered: load balancing across replicas is observable
+        response = await call_next(request)
+        response.headers["x-aspire-replica"] = replica
+        return response
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

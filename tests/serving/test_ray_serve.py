@@ -43,3 +43,42 @@ def test_serve_run_local_config(tiny_chat_model):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_two_replicas_both_take_traffic(tiny_chat_model):
+    """Two Serve replicas (each its own engine driver) behind one proxy: concurrent requests
+    reach both, and every answer is the same greedy completion."""
+    import concurrent.futures
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from aspire_ray.serving.app import build_app
+
+    args = config_args("local", model=tiny_chat_model, calibrate="off", num_pages=64)
+    args["server"].update(served_model_name="tiny", cpu_threads=1)
+    args["deployment"].update(num_replicas=2, ray_actor_options={"num_cpus": 1})
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="aspire", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+
+        def ask(_):
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.headers["x-aspire-replica"], r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, range(32)))
+        replicas = {rep for rep, _ in answers}
+        assert len(replicas) == 2, f"traffic reached only {replicas}"
+        assert len({text for _, text in answers}) == 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()
