@@ -72,3 +72,4 @@ def test_abort_at_random_moments_returns_every_page(tiny_model_dir, mode):
     engine.blocks.check()
     assert engine.blocks.num_used == 0
     assert not engine.has_unfinished()
+

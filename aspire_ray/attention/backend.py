@@ -4,7 +4,7 @@ A backend implements three operations over the shared KV layout
 ``kv_cache: [num_pages, 2, page_size, kv_heads, head_dim]`` (see ``aspire_ray.kernels``):
 storing new K/V by slot, ragged paged attention (optionally returning the log-sum-exp), and
 the refresh layer's per-token max attention probability. Metadata is planned once per step by
-the caller and passed to every layer; backends that need a per-step plan (flashinfer) build it
+the caller and passed to every layer; backends that need a per-step plan (the Triton one) build it
 lazily from the metadata object and cache it there.
 """
 
@@ -60,8 +60,8 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
 
 
 def _load_optional_backends() -> None:
-    # Imported lazily: the GPU backends need triton / flashinfer, which CPU installs may lack.
-    for module in ("triton_backend", "flashinfer_backend"):
+    # Imported lazily: the GPU backend needs triton, which CPU installs may lack.
+    for module in ("triton_backend",):
         try:
             __import__(f"aspire_ray.attention.{module}")
         except ImportError:
@@ -76,15 +76,12 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
         if device.type != "cuda":
             name = "torch"
         else:
-            name = next(n for n in ("flashinfer", "triton", "torch") if n in _REGISTRY)
+            name = next(n for n in ("triton", "torch") if n in _REGISTRY)
     if name not in _REGISTRY:
         hint = {
-            "triton": "pip install triton",
-            "flashinfer": "pip install 'aspire-ray[gpu]' (flashinfer-python)",
+            "triton": "; install it with: pip install triton",
+            "flashinfer": "; a flashinfer backend is not implemented yet (use 'triton')",
         }.get(name, "")
-        known = sorted(_REGISTRY)
-        raise ValueError(
-            f"attention backend {name!r} is not available (available: {known})"
-            + (f"; install it with: {hint}" if hint else "")
-        )
+        raise ValueError(f"attention backend {name!r} is not available "
+                         f"(available: {sorted(_REGISTRY)}){hint}")
     return _REGISTRY[name]()
