@@ -24,7 +24,7 @@ MAX_STEPS = 4000
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model_dir: str, num_pages: int = 48) -> LLMEngine:
+def _engine(model_dir: str, num_pages: int = 32) -> LLMEngine:
     cfg = build_engine_config(model_dir, spec_mode="aspire", num_pages=num_pages, page_size=16,
                               max_num_batched_tokens=64, calibrate="off", **SPARSE)
     return LLMEngine(cfg)
@@ -59,7 +59,7 @@ def test_engine_cancellation_storm(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     rng = random.Random(5)
     engine = _engine(model_dir)
-    prompts = random_prompts(NUM_STORM, [3, 20, 70, 110, 150], vocab=256, seed=9)
+    prompts = random_prompts(NUM_STORM, [3, 20, 40, 70], vocab=256, seed=9)
     # Each request gets a moment to die at; "never" ones run to the end, "random" ones die
     # after a random number of steps, "before_prefill" ones right after add_request.
     kinds = ["before_prefill", "random", "never", *MOMENTS]
@@ -70,11 +70,11 @@ def test_engine_cancellation_storm(tiny_model_dir):
     for _ in range(MAX_STEPS):
         if not pending and not engine.has_unfinished():
             break
-        for _ in range(rng.randrange(0, 4)):  # arrivals while others run
+        for _ in range(rng.randrange(0, 9)):  # arrivals while others run
             if pending:
                 i, prompt = pending.pop(0)
                 rid = f"s{i}"
-                max_tokens = rng.choice([1, 4, 16, 30])
+                max_tokens = rng.choice([1, 4, 8, 16])
                 engine.add_request(rid, prompt, SamplingParams(
                     max_tokens=max_tokens, temperature=rng.choice([0.0, 0.8]), ignore_eos=True))
                 if target[rid] == "before_prefill":
@@ -95,7 +95,7 @@ def test_engine_cancellation_storm(tiny_model_dir):
     assert engine.blocks.num_used == 0, "pages leaked"
     assert not engine.requests
     for kind in kinds:
-        if kind != "never":
+        if kind not in ("never", "preempted"):  # preemption depends on timing
             assert hits[kind] > 0, f"no request was aborted at {kind}: {hits}"
     engine.abort_request("s0")  # aborting a long-gone request is harmless
 
@@ -152,7 +152,7 @@ def _pages_used(url: str) -> int:
 
 def test_http_disconnect_storm(tiny_chat_model):
     with serving(tiny_args(tiny_chat_model)) as (_, aengine, live):
-        results = asyncio.run(asyncio.wait_for(_storm(live.url, 80, seed=3), timeout=120))
+        results = asyncio.run(asyncio.wait_for(_storm(live.url, 40, seed=3), timeout=120))
         assert not [r for r in results if r.startswith("status")], results
         assert "hung up" in results
         assert wait_until(lambda: _pages_used(live.url) == 0, timeout=30), _pages_used(live.url)
