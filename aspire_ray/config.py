@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SPEC_MODES = ("ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire")
@@ -83,6 +84,11 @@ class SpecConfig:
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
+
+    def sparse_budget(self, num_pages: int) -> int:
+        """k_i = max(k_min, ceil(rho * P_i)) pages in S_i (DESIGN.md §1.1); the one formula the
+        driver's cost model and the worker's page selection both use."""
+        return max(self.k_min, math.ceil(self.rho * num_pages))
 
     @property
     def speculative(self) -> bool:

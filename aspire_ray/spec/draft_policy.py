@@ -39,8 +39,8 @@ class DraftPolicy:
     def sparse_tokens(self, context_len: int) -> int:
         """|S_i| in tokens for a request with this context (DESIGN.md §1.1)."""
         pages = math.ceil(context_len / self.page_size)
-        k = max(self.cfg.k_min, math.ceil(self.cfg.rho * pages))
-        return min(pages, k) * self.page_size if pages > k else context_len
+        k = self.cfg.sparse_budget(pages)
+        return k * self.page_size if pages > k else context_len
 
     def target(self, req: Request, batch: int) -> int:
         """The draft length this request aims for before verifying."""

@@ -12,8 +12,6 @@ best-scoring candidates of [head_end, tail_start) in ascending order, then [tail
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -29,7 +27,7 @@ class PageSelector:
         self.cfg = cfg
 
     def budget(self, num_pages: int) -> int:
-        return max(self.cfg.k_min, math.ceil(self.cfg.rho * num_pages))
+        return self.cfg.sparse_budget(num_pages)
 
     def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
         raise NotImplementedError
