@@ -22,6 +22,10 @@ SHAPES = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # CPU smoke runs only (--device cpu --dtype float32)
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, vocab_size=512, max_position_embeddings=4096),
     "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -37,8 +41,8 @@ SHAPES = {
 
 
 def run(args, tp: int, mode: str) -> dict:
-    llm = LLM("dummy", load_format="dummy", hf_overrides=SHAPES[args.shape], device="cuda",
-              dtype="bfloat16", spec_mode=mode, tp_size=tp,
+    llm = LLM("dummy", load_format="dummy", hf_overrides=SHAPES[args.shape], device=args.device,
+              dtype=args.dtype, spec_mode=mode, tp_size=tp,
               calibrate=args.calibrate if mode == "aspire" else "off",
               max_num_seqs=max(args.batches), max_num_batched_tokens=16384)
     rng = random.Random(0)
@@ -93,6 +97,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--calibrate", default="force")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = []
