@@ -28,6 +28,7 @@ from workloads import long_context_prompts, short_prompts
 from aspire_ray import LLM, SamplingParams
 
 MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
+MAX_BATCH = 1024  # cap of --batch max
 DUMMY_SHAPES = {
     "smollm2": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -137,7 +138,8 @@ def main() -> None:
     p.add_argument("--modes", default=MODES)
     p.add_argument("--contexts", default="2048,4096,8000",
                    help="prompt lengths; 'short' = chat prompts asking for long answers")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", default="64",
+                   help="requests decoded together; 'max': the most the KV pool holds (<= 1024)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
@@ -150,26 +152,30 @@ def main() -> None:
     modes = args.modes.split(",")
     extra = {"cuda_graphs": not args.no_cuda_graphs}
     if args.dummy_shapes:
+        if args.batch == "max":
+            p.error("--batch max sizes the batch by the KV pool: not with --dummy-shapes")
         longest = max(int(c) for c in args.contexts.split(",") if c != "short")
         pages_per_request = -(-(longest + args.max_tokens + 64) // 16)
         extra.update(model="dummy", load_format="dummy",
                      hf_overrides=DUMMY_SHAPES[args.dummy_shapes],
-                     num_pages=(args.batch + 4) * pages_per_request)
+                     num_pages=(int(args.batch) + 4) * pages_per_request)
     report = {"args": vars(args), "results": []}
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         for mode in modes:
             kw = {"model": args.model, "load_format": args.load_format, **extra}
+            max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
             llm = LLM(device=args.device, dtype=args.dtype, spec_mode=mode,
-                      attention_backend=args.attention_backend, max_num_seqs=max(args.batch, 1),
+                      attention_backend=args.attention_backend, max_num_seqs=max_seqs,
                       max_num_batched_tokens=args.max_batched_tokens, **kw)
             tok = llm.tokenizer
+            batch = largest_batch(llm, ctx, args) if args.batch == "max" else int(args.batch)
             if args.dummy_shapes:
-                prompts = random_prompts(args.batch, int(ctx), llm.engine.info["vocab_size"])
+                prompts = random_prompts(batch, int(ctx), llm.engine.info["vocab_size"])
             elif ctx == "short":
-                prompts = short_prompts(tok, args.batch)
+                prompts = short_prompts(tok, batch)
             else:
-                prompts = long_context_prompts(tok, args.batch, int(ctx))
+                prompts = long_context_prompts(tok, batch, int(ctx))
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     seed=0, ignore_eos=True)
             warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
@@ -192,15 +198,25 @@ def main() -> None:
                 ar_ids = s["token_ids"]
             if ar_ids is not None and args.temperature == 0:
                 s["greedy_token_match_vs_ar"] = _match_rate(s["token_ids"], ar_ids)
+            s.update(context=ctx, batch=len(s["token_ids"]), device=info.get("device_name"))
             del s["token_ids"]
-            s.update(context=ctx, batch=args.batch, device=info.get("device_name"))
             report["results"].append(s)
             print(f"ctx={ctx:>6} {mode:>13}: {s['tokens_per_s']:9.1f} tok/s  "
                   f"x{s['speedup_vs_ar']:.2f}  accepted/verify={s['mean_accepted_length']:.2f} "
                   f"match={s.get('greedy_token_match_vs_ar', '-')}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        if args.out:  # after every context: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+
+
+def largest_batch(llm: LLM, ctx: str, args) -> int:
+    """The most requests of this context (plus their new tokens and drafts) the pool holds."""
+    if ctx == "short":
+        raise SystemExit("--batch max needs numeric contexts")
+    engine = llm.engine
+    tokens = int(ctx) + args.max_tokens + engine.cfg.spec.d_max + 2
+    per_request = -(-tokens // engine.cfg.cache.page_size)
+    return max(1, min(MAX_BATCH, engine.blocks.num_free // per_request))
 
 
 def _match_rate(a: list[list[int]], b: list[list[int]]) -> float:
