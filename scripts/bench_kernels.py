@@ -5,7 +5,8 @@ Measures, side by side in one run (bf16, decode rows of one query each):
 - our paged attention over full page lists and over sparse lists (a random ``--sparse-frac``
   subset of each row's pages, last page last), as achieved HBM bandwidth (bytes of K and V read);
 - torch SDPA over the same KV gathered into contiguous tensors (the gather itself is timed apart);
-- the refresh-layer scoring kernel (token_max_probs) against one full attention layer.
+- the refresh-layer scoring kernel (token_max_probs) against one full attention layer;
+- when flashinfer imports, its paged prefill wrapper (our flashinfer backend) on the full lists.
 Every timing is the median over ``--reps`` runs with CUDA events, L2 flushed before each run.
 Optionally (``--sweep splits|all``) the kernel configuration is tuned first on a few shapes.
 
@@ -29,6 +30,11 @@ from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.page_scores import token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+
+try:  # optional column; the flashinfer plan is cached on the metadata, as ours is
+    from aspire_ray.attention.flashinfer_backend import FlashInferBackend
+except ImportError:
+    FlashInferBackend = None
 
 GIB = 1 << 30
 DEVICE = "cuda"
@@ -245,6 +251,7 @@ def main() -> None:
 
     rows, check = [], None
     scale = a.head_dim**-0.5
+    flashinfer = FlashInferBackend() if FlashInferBackend is not None else None
     for ctx in a.contexts:
         for b in a.batches:
             n = ctx // a.page_size
@@ -273,6 +280,11 @@ def main() -> None:
                 "score_ms": score_ms,
                 "score_over_full": score_ms / full_ms,
             }
+            if flashinfer is not None:
+                fi = partial(flashinfer.attention, q, kv_cache, meta, scale)
+                row["flashinfer_ms"] = timer(fi)  # its warm-up runs plan, once per meta
+                row["flashinfer_gbps"] = attention_bytes(b, ctx, a) / row["flashinfer_ms"] / 1e6
+                row["max_abs_diff_vs_flashinfer"] = (out.float() - fi().float()).abs().max().item()
             kv_gib = 2 * b * ctx * a.kv_heads * a.head_dim * 2 / GIB
             if kv_gib <= a.sdpa_max_gib and torch.cuda.mem_get_info()[0] > (2 * kv_gib + 4) * GIB:
                 try:
@@ -287,10 +299,11 @@ def main() -> None:
                     row["sdpa_error"] = str(e).split("\n")[0][:200]
             rows.append(row)
             sd = f"{row['sdpa_gbps']:6.0f}" if "sdpa_gbps" in row else "     -"
+            fi_col = f"  flashinfer {row['flashinfer_gbps']:6.0f} GB/s" if flashinfer else ""
             print(
                 f"ctx {ctx:6d} B {b:3d}  full {full_ms:8.3f} ms {row['full_gbps']:6.0f} GB/s "
                 f"({row['full_gbps'] / copy_gbps:4.0%})  sparse {sparse_ms:7.3f} ms "
-                f"{row['sparse_gbps']:6.0f} GB/s  sdpa {sd} GB/s  score/full "
+                f"{row['sparse_gbps']:6.0f} GB/s  sdpa {sd} GB/s{fi_col}  score/full "
                 f"{row['score_over_full']:.2f}"
             )
 
@@ -302,6 +315,7 @@ def main() -> None:
         "num_sms": props.multi_processor_count,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
+        "flashinfer": __import__("flashinfer").__version__ if flashinfer else None,
         "shape": {
             "q_heads": a.q_heads,
             "kv_heads": a.kv_heads,
@@ -326,13 +340,19 @@ def print_table(r: dict) -> None:
     copy = r["copy_gbps"]
     host = r["host_us_per_call"]["attention_split"]
     print(f"\n{r['device']}  copy {copy:.0f} GB/s  host {host:.0f} us per attention call")
-    print("   ctx    B |  full GB/s  %copy | sparse GB/s %copy |  SDPA GB/s | score/full")
+    fi = r.get("flashinfer") is not None
+    print(
+        "   ctx    B |  full GB/s  %copy | sparse GB/s %copy |  SDPA GB/s |"
+        + (" flashinfer GB/s |" if fi else "")
+        + " score/full"
+    )
     for x in r["rows"]:
         sd = f"{x['sdpa_gbps']:10.0f}" if "sdpa_gbps" in x else "         -"
+        fi_col = f" {x['flashinfer_gbps']:15.0f} |" if fi else ""
         print(
             f"{x['context']:6d} {x['batch']:4d} | {x['full_gbps']:10.0f}"
             f" {x['full_gbps'] / copy:6.0%}"
-            f" | {x['sparse_gbps']:10.0f} {x['sparse_gbps'] / copy:5.0%} | {sd} |"
+            f" | {x['sparse_gbps']:10.0f} {x['sparse_gbps'] / copy:5.0%} | {sd} |{fi_col}"
             f" {x['score_over_full']:10.2f}"
         )
 
