@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /health`` (503 once the engine has failed), ``GET /metrics``
 (Prometheus text). Every error is an OpenAI error body; with ``server.api_key`` set, every
-endpoint but /health needs ``Authorization: Bearer <key>``.
+endpoint but /health needs ``Authorization: Bearer <key>``; the caps of ``limits.py`` apply.
 
 ``serve run serve_configs/local.yaml`` calls ``build_app(args)``; ``create_app`` is the same app
 without Ray (tests, ``aspire-ray serve``).
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import protocol as P
 from .async_engine import AsyncLLMEngine
 from .errors import APIError, from_validation_error, internal_error
+from .limits import ConcurrencyLimit
 from .metrics import ServingMetrics
 from .openai_serving import OpenAIServing
 from .settings import AppArgs
@@ -33,8 +34,9 @@ from .settings import AppArgs
 def create_app(engine: AsyncLLMEngine, args: AppArgs,
                metrics: ServingMetrics | None = None) -> FastAPI:
     """The OpenAI-compatible app; the caller owns (and shuts down) ``engine``."""
-    serving = OpenAIServing(engine, args.served_name, aliases=(args.engine.model,))
     metrics = metrics or engine.metrics or ServingMetrics(args.served_name, args.engine.spec_mode)
+    serving = OpenAIServing(engine, args.served_name, aliases=(args.engine.model,),
+                            limits=args.server)
     cap = args.server.max_body_bytes
     api_key = args.server.api_key
     app = FastAPI(title="aspire_ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -97,6 +99,9 @@ def create_app(engine: AsyncLLMEngine, args: AppArgs,
         req = await _parse(request, P.ChatCompletionRequest, cap)
         return await _respond(request, serving.chat(req))
 
+    # Outermost last: responses refused for concurrency are still counted by status.
+    app.add_middleware(ConcurrencyLimit, cap=args.server.max_concurrent_requests,
+                       metrics=metrics)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app
 

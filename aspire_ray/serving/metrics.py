@@ -40,6 +40,8 @@ class ServingMetrics:
         self._latency_sum = 0.0
         self._ttft_sum = 0.0
         self._ttft_count = 0
+        # Generation requests being served (limits.ConcurrencyLimit; event loop only).
+        self.in_flight = 0
 
     # ---- writers -----------------------------------------------------------------------------
     def on_http(self, endpoint: str, status: int) -> None:
@@ -115,6 +117,9 @@ class ServingMetrics:
         metric("aspire_generation_tokens_per_second", "gauge",
                f"Committed output tokens per second over the last {self.window_s:g} s.",
                [(base, tps)])
+        metric("aspire_http_requests_in_flight", "gauge",
+               "Completion and chat requests being served, streams included.",
+               [(base, self.in_flight)])
         metric("aspire_num_requests_waiting", "gauge", "Requests queued for admission.",
                [(base, stats.get("waiting", 0))])
         metric("aspire_num_requests_running", "gauge", "Requests in the running batch.",

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
 
+from . import limits
 from . import protocol as P
 from .async_engine import AsyncLLMEngine
 from .errors import APIError, EngineDeadError, bad_request, engine_unavailable
+from .settings import ServerArgs
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -58,8 +60,10 @@ def _sse(obj: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_name: str, aliases: tuple[str, ...] = ()):
+    def __init__(self, engine: AsyncLLMEngine, served_name: str, aliases: tuple[str, ...] = (),
+                 limits: ServerArgs | None = None):
         self.engine = engine
+        self.limits = limits or ServerArgs()
         self.served_name = served_name
         self.accepted_names = {served_name, *aliases}
         self.created = P.now()
@@ -74,8 +78,14 @@ class OpenAIServing:
         prompts = req.prompts
         if not prompts:
             raise bad_request("prompt: must not be an empty list", param="prompt")
+        limits.check_choices(self.limits, req.n, len(prompts), len(req.stop_list))
+        max_tokens = req.max_tokens
+        if "max_tokens" in req.model_fields_set:
+            limits.check_max_tokens(self.limits, max_tokens, "max_tokens")
+        elif max_tokens is not None:  # OpenAI's default (16) is the client's, not a request
+            max_tokens = limits.default_max_tokens(self.limits, max_tokens)
         prompt_ids = [await self._tokenize(p, "prompt") for p in prompts]
-        choices = self._choices(req, prompt_ids, req.max_tokens, "prompt")
+        choices = self._choices(req, prompt_ids, max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         outputs = await self._start(rid, choices)
         if req.stream:
@@ -93,6 +103,9 @@ class OpenAIServing:
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        limits.check_choices(self.limits, req.n, 1, len(req.stop_list))
+        limits.check_max_tokens(self.limits, req.max_new_tokens, max_param)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, messages, tokenize=False,
@@ -101,9 +114,7 @@ class OpenAIServing:
             raise bad_request(f"messages: the chat template failed: {exc}",
                               param="messages") from None
         ids = await self._tokenize(text, "messages")
-        choices = self._choices(req, [ids], req.max_new_tokens, "messages",
-                                "max_completion_tokens" if req.max_completion_tokens
-                                else "max_tokens")
+        choices = self._choices(req, [ids], req.max_new_tokens, "messages", max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = await self._start(rid, choices)
         if req.stream:
@@ -138,13 +149,11 @@ class OpenAIServing:
             ids = list(prompt)
         if not ids:
             raise bad_request(f"{param}: must not be empty", param=param)
+        limits.check_prompt(self.limits, len(ids), param)
         return ids
 
     def _choices(self, req, prompt_ids: list[list[int]], max_tokens: int | None,
                  prompt_param: str, max_param: str = "max_tokens") -> list[_Choice]:
-        if len(prompt_ids) * req.n > P.MAX_N:
-            raise bad_request(f"n * number of prompts must be <= {P.MAX_N}, got "
-                              f"{len(prompt_ids) * req.n}", param="n")
         limit = self.engine.max_request_tokens
         choices = []
         for ids in prompt_ids:
@@ -153,7 +162,8 @@ class OpenAIServing:
                     f"{prompt_param}: {len(ids)} tokens leave no room to generate; this model "
                     f"takes at most {limit} tokens (prompt + output)", param=prompt_param,
                     code="context_length_exceeded")
-            wanted = max_tokens if max_tokens is not None else limit - len(ids)
+            wanted = (max_tokens if max_tokens is not None
+                      else limits.default_max_tokens(self.limits, limit - len(ids)))
             if len(ids) + wanted > limit:
                 raise bad_request(
                     f"{max_param}: prompt ({len(ids)} tokens) + {max_param} ({wanted}) exceeds "

@@ -13,14 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from aspire_ray.sampling_params import MAX_STOP_STRINGS
-
-MAX_N = 16  # choices per request (n * prompts)
-
 _REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
-StopList = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class StreamOptions(BaseModel):
@@ -36,10 +31,10 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # capped by server.max_n (limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | StopList | None = None
+    stop: str | list[str] | None = None  # capped by server.max_stop_strings (limits.py)
     seed: Seed | None = None
     user: str | None = None  # accepted and ignored
     presence_penalty: float = 0.0

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from aspire_ray.config import EngineConfig
 from aspire_ray.llm import build_engine_config
+from aspire_ray.sampling_params import MAX_STOP_STRINGS
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,6 +71,17 @@ class ServerArgs(BaseModel):
     # When set, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
     api_key: str | None = Field(None, min_length=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)  # larger request bodies get a 413
+    # Caps on one request (a 400 naming the field when exceeded). None: only the model's
+    # context and the KV pool bound prompt + max_tokens (400 context_length_exceeded).
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)  # cap on max_tokens / max_completion_tokens
+    max_n: int = Field(16, ge=1)  # choices per request: n * number of prompts
+    # The engine matches at most MAX_STOP_STRINGS per request (checked every committed token).
+    max_stop_strings: int = Field(MAX_STOP_STRINGS, ge=0, le=MAX_STOP_STRINGS)
+    # Generation requests (completions, chat) this replica serves at once, streams included;
+    # more get a 429. None: no cap here (Serve's deployment.max_ongoing_requests still queues
+    # requests beyond it before they reach the replica, so a cap only acts below that).
+    max_concurrent_requests: int | None = Field(None, ge=1)
     # torch CPU threads in the replica; None leaves torch's default (Ray sets it from
     # num_cpus), 0 means all cores of the machine.
     cpu_threads: int | None = Field(None, ge=0)

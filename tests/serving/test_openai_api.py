@@ -218,11 +218,17 @@ def test_models_health_metrics(client, server):
 
 
 def test_api_key(tiny_chat_model):
-    with serving(tiny_args(tiny_chat_model, api_key="s3cret")) as (_, _, live):
-        for path in ("/v1/models", "/metrics"):
+    with serving(tiny_args(tiny_chat_model, api_key="s3cret")) as (app, _, live):
+        # every route the app has (a new endpoint is covered without editing this test)
+        routes = [(m, r.path) for r in app.routes if r.path != "/health"
+                  for m in getattr(r, "methods", ()) if m != "HEAD"]
+        assert {p for _, p in routes} >= {"/v1/models", "/metrics", "/v1/completions",
+                                          "/v1/chat/completions"}
+        for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-                r = httpx.get(live.url + path, headers=headers)
-                assert r.status_code == 401, (path, headers)
+                r = httpx.request(method, live.url + path, headers=headers,
+                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 401, (method, path, headers)
                 assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{live.url}/health").status_code == 200  # probes need no key
         with openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0) as bad:

@@ -57,6 +57,11 @@ def test_local_config_is_loopback():
     ({"engine": {"spec_options": {"gama": 3}}}, "gama"),
     ({"server": {"max_body_bytes": 10}}, "server.max_body_bytes"),
     ({"server": {"api_key": ""}}, "server.api_key"),
+    ({"server": {"max_prompt_tokens": 0}}, "server.max_prompt_tokens"),
+    ({"server": {"max_output_tokens": 0}}, "server.max_output_tokens"),
+    ({"server": {"max_n": 0}}, "server.max_n"),
+    ({"server": {"max_stop_strings": 17}}, "server.max_stop_strings"),  # the engine's limit
+    ({"server": {"max_concurrent_requests": 0}}, "server.max_concurrent_requests"),
     ({"deployment": {"max_ongoing_requests": 0}}, "deployment.max_ongoing_requests"),
     ({"deployment": {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1}}},
      "num_replicas"),
