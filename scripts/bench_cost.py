@@ -23,6 +23,7 @@ e.g. from scripts/bench_decode.py's JSON, to get it per shape and context.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -145,7 +146,12 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    results = [r for name in args.shapes for r in run_shape(name, args)]
+    results = []
+    for name in args.shapes:
+        results += run_shape(name, args)
+        gc.collect()  # the engine's captured graphs and KV pool are freed only now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results,

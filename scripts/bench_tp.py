@@ -56,11 +56,13 @@ def run(args, tp: int, mode: str) -> dict:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
         for i in range(b):
             engine.add_request(f"b{b}-{i}", prompts[i], params)
+        done = {}
         while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
-            engine.step()
+            for out in engine.step():  # early rows may already decode (and finish) here
+                if out.finished:
+                    done[out.request_id] = out.token_ids
         s0 = dict(engine.stats()["timings"])
         steps0 = engine.step_count
-        done = {}
         t0 = time.perf_counter()
         while engine.has_unfinished():
             for out in engine.step():
@@ -78,6 +80,10 @@ def run(args, tp: int, mode: str) -> dict:
             "overhead_ms": 1e3 * (execute - worker) / steps,
             "overhead_fraction": (execute - worker) / execute,
         }
+        missing = [f"b{b}-{i}" for i in range(b) if f"b{b}-{i}" not in done]
+        if missing:
+            raise RuntimeError(f"tp={tp} {mode} batch {b}: {len(missing)} requests never "
+                               f"finished (engine healthy={engine.healthy})")
         if b == max(args.batches):
             tokens = [done[f"b{b}-{i}"] for i in range(b)]
     result["cost_model"] = llm.engine.stats()["cost_model"]
