@@ -1,6 +1,6 @@
 """Process death under Ray Serve (issue 9, item 4): a tp_size=2 CPU engine (gloo) served by one
 Serve replica; while requests stream, a shard worker process, and separately the replica (the
-engine driver) itself, is killed with SIGKILL.
+engine driver) itself, is killed with SIGKILL; last, a shard worker dies while nothing runs.
 
 Checked: the in-flight streams end within seconds and never look complete; a dead worker turns
 /health into a 503 (so the deployment's check_health fails too); Serve replaces the replica; the
@@ -189,3 +189,19 @@ def test_replica_killed_mid_stream(base_url):
             (s.error, s.lines[-2:])
         assert "[DONE]" not in s.lines
     print(f"replica death: recovered in {_recover(base_url, replica, workers):.1f} s")
+
+
+def test_shard_worker_killed_while_idle(base_url):
+    """Nothing pings idle workers: the next request's first step finds the dead rank and fails
+    before its response starts (503); the replica is then replaced as above."""
+    replica = _serving_replica(base_url)
+    workers = _our_ray_processes("ShardWorker")
+    os.kill(workers[0], signal.SIGKILL)
+    assert wait_until(lambda: not psutil.pid_exists(workers[0]), timeout=10)
+    t0 = time.monotonic()
+    r = httpx.post(f"{base_url}/v1/completions", json={**SMALL, "stream": True}, timeout=60)
+    assert time.monotonic() - t0 < ENDS_WITHIN_S
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_unhealthy" and "shard worker" in err["message"], err
+    print(f"idle worker death: recovered in {_recover(base_url, replica, workers):.1f} s")
