@@ -98,12 +98,10 @@ class Worker:
 
     # ---- setup -------------------------------------------------------------------------------
     def _graphs(self) -> PiecewiseGraphs | None:
-        """CUDA graphs on the GPU with the Triton backend (its KV store skips the padding
-        slots). Under tensor parallelism the pieces hold the layers' NCCL all-reduces: every
-        rank captures the same buckets in the same order (the warm-up runs in lockstep), and a
-        replay's collectives pair up across ranks like eager ones."""
+        """CUDA graphs on a single GPU with the Triton backend (its KV store skips the padding
+        slots; tensor parallelism would need collectives inside the graphs)."""
         if not (self.cfg.cuda_graphs and self.device.type == "cuda"
-                and self.backend.name == "triton"):  # fmt: skip
+                and self.tp.size == 1 and self.backend.name == "triton"):  # fmt: skip
             return None
         max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
         return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device)
