@@ -178,7 +178,7 @@ def test_engine_greedy_equals_triton(flashinfer_backend, tmp_path, mode):
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
     outputs = {}
     for backend in ("triton", "flashinfer"):
-        cfg = build_engine_config(model_dir, device="cuda", dtype="float16", spec_mode=mode,
+        cfg = build_engine_config(model_dir, device="cuda", dtype="bfloat16", spec_mode=mode,
                                   attention_backend=backend, num_pages=512,
                                   max_num_batched_tokens=512, k_min=4, recent_pages=1,
                                   calibrate="off")  # fmt: skip
