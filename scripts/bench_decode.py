@@ -169,7 +169,10 @@ def main() -> None:
                       attention_backend=args.attention_backend, max_num_seqs=max_seqs,
                       max_num_batched_tokens=args.max_batched_tokens, **kw)
             tok = llm.tokenizer
-            batch = largest_batch(llm, ctx, args) if args.batch == "max" else int(args.batch)
+            if args.batch != "max":
+                batch = int(args.batch)
+            elif mode == modes[0]:  # every mode of a context decodes the same batch
+                batch = largest_batch(llm, ctx, args)
             if args.dummy_shapes:
                 prompts = random_prompts(batch, int(ctx), llm.engine.info["vocab_size"])
             elif ctx == "short":
