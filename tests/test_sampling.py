@@ -14,7 +14,12 @@ from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampler
-from aspire_ray.worker.rejection_sampler import verify_greedy, verify_sampled
+from aspire_ray.worker.rejection_sampler import (
+    SampledVerify,
+    verify_greedy,
+    verify_sampled,
+    verify_sampled_batch,
+)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -95,6 +100,33 @@ def _toy_speculative_sequences(p: torch.Tensor, q: torch.Tensor, length: int, dr
             seq += tokens
         out[trial] = seq[:length]
     return out
+
+
+def test_batched_verification_equals_per_row():
+    """The worker verifies a step's sampled rows in one batch; every row's accepted count and
+    tokens must be exactly those of the per-row reference (same counters, same draws)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, outcomes = 40, set()
+    for trial in range(25):
+        draft_lens = [0, 1, 3, 6, 2, 0, 4]
+        logit_rows, q_rows, rows, expected = [], [], [], []
+        for i, d in enumerate(draft_lens):
+            target = torch.softmax(2.0 * torch.randn(d + 1, vocab, generator=gen), dim=-1)
+            # drafts close to the target: a mix of acceptances and rejections
+            noisy = torch.log(target[:d]) + 0.7 * torch.randn(d, vocab, generator=gen)
+            q = torch.softmax(noisy, dim=-1)
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(d)]
+            seed, pos0 = 1000 * trial + i, 17 + 5 * i
+            expected.append(verify_sampled(target, q, drafts, seed, pos0))
+            rows.append(SampledVerify(sum(len(x) for x in logit_rows), drafts, seed, pos0))
+            logit_rows.append(target)
+            q_rows.append(q)
+        probs = torch.cat(logit_rows)
+        draft_probs = torch.cat(q_rows)
+        assert verify_sampled_batch(probs, rows, draft_probs) == expected
+        outcomes |= {("all" if a == len(r.drafts) else "rejected")
+                     for (a, _), r in zip(expected, rows, strict=True) if r.drafts}
+    assert outcomes == {"all", "rejected"}  # both ways of ending a block were exercised
 
 
 def test_rejection_sampling_keeps_target_distribution():

@@ -246,6 +246,7 @@ class Worker:
         probs = self._probs(rows, logits, offsets)
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
+        verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -259,9 +260,7 @@ class Worker:
                 if spec.greedy:
                     n_acc, tokens = rejection_sampler.verify_greedy(argmax[lo:hi], drafts)
                 else:
-                    q = torch.stack(req.draft_probs[: len(drafts)]) if drafts else probs[lo:lo]
-                    n_acc, tokens = rejection_sampler.verify_sampled(
-                        probs[lo:hi], q, drafts, spec.seed, row.start_pos + 1)
+                    n_acc, tokens = verified[r]
                 req.draft_probs.clear()
                 results.append(RowResult(row.req_id, row.kind, tokens, n_acc))
                 continue
@@ -274,6 +273,26 @@ class Worker:
                     req.draft_probs.append(probs[lo])
             results.append(RowResult(row.req_id, row.kind, [token]))
         return results
+
+    def _verify_sampled(self, rows: list[RowPlan], probs: torch.Tensor,
+                        offsets: list[int]) -> dict[int, tuple[int, list[int]]]:  # fmt: skip
+        """(accepted, tokens) of every non-greedy verify row (row -> result), verified in one
+        batch: per-row verification costs two device syncs per row."""
+        which, batch, q = [], [], []
+        for r, row in enumerate(rows):
+            req = self.requests[row.req_id]
+            if row.kind != RowKind.VERIFY or req.sampling.greedy:
+                continue
+            drafts = row.token_ids[1:]
+            which.append(r)
+            batch.append(rejection_sampler.SampledVerify(offsets[r], drafts, req.sampling.seed,
+                                                         row.start_pos + 1))
+            q += req.draft_probs[: len(drafts)]
+        if not which:
+            return {}
+        draft_probs = torch.stack(q) if q else None
+        results = rejection_sampler.verify_sampled_batch(probs, batch, draft_probs)
+        return dict(zip(which, results, strict=True))
 
     def _draw_single(self, rows: list[RowPlan], probs: torch.Tensor,
                      offsets: list[int]) -> dict[int, int]:  # fmt: skip
