@@ -60,10 +60,12 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc:
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
     finished = {}
+    engine.scheduler.pause_decoding = True  # every request starts decoding in the same step
     while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+    engine.scheduler.pause_decoding = False
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     committed_before = sum(len(r.output_token_ids) for r in engine.requests.values())
     committed_before += sum(len(o.token_ids) for o in finished.values())

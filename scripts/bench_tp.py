@@ -15,6 +15,8 @@ import json
 import random
 import time
 
+import torch
+
 from aspire_ray import LLM, SamplingParams
 
 SHAPES = {
@@ -57,10 +59,12 @@ def run(args, tp: int, mode: str) -> dict:
         for i in range(b):
             engine.add_request(f"b{b}-{i}", prompts[i], params)
         done = {}
+        engine.scheduler.pause_decoding = True  # all rows start decoding in the same step
         while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
-            for out in engine.step():  # early rows may already decode (and finish) here
+            for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out.token_ids
+        engine.scheduler.pause_decoding = False
         s0 = dict(engine.stats()["timings"])
         steps0 = engine.step_count
         t0 = time.perf_counter()
@@ -90,6 +94,8 @@ def run(args, tp: int, mode: str) -> dict:
     llm.shutdown()
     del llm
     gc.collect()
+    if torch.cuda.is_available():  # tp=1 runs in this process: free GPU 0 for the next run
+        torch.cuda.empty_cache()
     return result
 
 

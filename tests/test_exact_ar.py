@@ -29,3 +29,34 @@ def test_greedy_matches_transformers(tiny_model_dir, family, pool):
     assert list(got.values()) == expected
     if pool == "preempting":
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_pause_decoding_prefills_everything_first(tiny_model_dir, mode):
+    """scheduler.pause_decoding (the decode benchmarks' start line): while set, only prompts
+    are computed, so every request holds exactly its prefill's token; resumed, the outputs
+    equal transformers' greedy ones."""
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(4, LENGTHS, vocab=256, seed=2)
+    expected = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+    cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=32,
+                              num_pages=200, d_max=4)
+    engine = LLMEngine(cfg)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    engine.scheduler.pause_decoding = True
+    steps = 0
+    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
+        engine.step()
+        steps += 1
+    assert steps > 1  # 32-token chunks: the prompts took several steps
+    assert [len(engine.requests[f"r{i}"].output_token_ids) for i in range(4)] == [1] * 4
+    assert not engine.step()  # nothing to do while paused
+    engine.scheduler.pause_decoding = False
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+    assert [got[f"r{i}"] for i in range(4)] == expected

@@ -47,6 +47,20 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token(self) -> int:
+        """all_token_ids[-1] without building the list (O(context) per call)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without concatenating the prompt and the output."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -31,6 +31,10 @@ class Scheduler:
         self._dropped: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        # While True, only prompts are computed: requests that finished their prefill wait.
+        # Decode benchmarks set it so that every request of a batch starts decoding together
+        # (otherwise early requests decode, or even finish, while later prompts prefill).
+        self.pause_decoding = False
 
     # ---- membership --------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -86,12 +90,14 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         rows: list[RowPlan] = []
         new_requests = {}
-        decoding = [r for r in self.running if not r.in_prefill]
+        decoding = [] if self.pause_decoding else [r for r in self.running if not r.in_prefill]
         actions = dict(zip((r.req_id for r in decoding),
                            self.policy.decide(decoding, [self.draft_cap(r) for r in decoding]),
                            strict=True))
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if self.pause_decoding and not req.in_prefill:
                 continue
             row = self._row_for(req, actions.get(req.req_id), budget)
             if row is None:
@@ -125,16 +131,16 @@ class Scheduler:
             if n <= 0:
                 return None
             start = req.num_computed
-            tokens = req.all_token_ids[start : start + n]
+            tokens = req.token_slice(start, start + n)
             return RowPlan(req.req_id, RowKind.PREFILL, tokens, start, 0, [],
                            sample=start + n == req.num_tokens)
         last = req.num_tokens - 1
         if action == Action.IDLE:
             return None
         if action == Action.DRAFT:
-            token = req.drafts[-1] if req.drafts else req.all_token_ids[-1]
+            token = req.drafts[-1] if req.drafts else req.last_token
             return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [])
-        tokens = [req.all_token_ids[-1]] + req.drafts
+        tokens = [req.last_token] + req.drafts
         if len(tokens) > budget:
             return None
         return RowPlan(req.req_id, RowKind.VERIFY, tokens, last, 0, [],
