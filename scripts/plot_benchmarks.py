@@ -1,7 +1,7 @@
 """Turn the benchmark JSON in docs/ into PNG plots (docs/plots/).
 
     python scripts/plot_benchmarks.py --decode docs/bench_decode_h200.json \
-        --acceptance docs/acceptance_cpu.json --out docs/plots
+        --acceptance docs/acceptance_cpu.json --cost docs/bench_cost_h200_8b.json --out docs/plots
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def _save(fig, path: Path) -> Path:
 
 def plot_speedup(report: dict, out: Path) -> Path:
     rows = report["results"]
-    contexts = list(dict.fromkeys(r["context"] for r in rows))
+    contexts = sorted(dict.fromkeys(r["context"] for r in rows),
+                      key=lambda c: int(c) if c.isdigit() else -1)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -91,10 +92,48 @@ def plot_acceptance(report: dict, out: Path) -> list[Path]:
     return [p1, p2]
 
 
+def plot_decode_acceptance(report: dict, out: Path) -> Path:
+    """Acceptance by draft position per mode at the largest context bucket of a decode run:
+    specattn (top-k chosen at verification only) vs aspire_fixed (refreshed) on the same text."""
+    rows = report["results"]
+    ctx = max((r["context"] for r in rows), key=lambda c: int(c) if c.isdigit() else 0)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        ys = r["acceptance_by_position"]
+        if r["context"] != ctx or not ys:
+            continue
+        n = min(len(ys), 12)
+        ax.plot(range(1, n + 1), ys[:n], marker="o", label=r["mode"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Acceptance by draft position, ctx {ctx}, batch {rows[0].get('batch')} "
+                 f"({rows[0].get('device')})")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "acceptance_by_position_gpu.png")
+
+
+def plot_cost(report: dict, out: Path) -> Path:
+    """Step times of ar, draft and verify steps per shape and context (scripts/bench_cost.py)."""
+    rows = report["results"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['shape']}\n{r['context'] / 1000:.0f}k B={r['batch']}" for r in rows]
+    width = 0.27
+    for i, kind in enumerate(("ar", "draft", "verify")):
+        ax.bar([x + i * width for x in range(len(rows))], [r[kind]["wall_ms"] for r in rows],
+               width, label=kind)
+    ax.set_xticks([x + width for x in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("ms per step (wall)")
+    ax.set_title(f"Step cost at paper shapes, random weights ({report.get('device')})")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "step_costs.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", default=None)
     p.add_argument("--acceptance", default=None)
+    p.add_argument("--cost", default=None, help="scripts/bench_cost.py JSON")
     p.add_argument("--out", default="docs/plots")
     args = p.parse_args()
     out = Path(args.out)
@@ -102,7 +141,10 @@ def main() -> None:
     made = []
     if args.decode:
         report = json.loads(Path(args.decode).read_text())
-        made += [plot_speedup(report, out), plot_breakdown(report, out)]
+        made += [plot_speedup(report, out), plot_breakdown(report, out),
+                 plot_decode_acceptance(report, out)]
+    if args.cost:
+        made.append(plot_cost(json.loads(Path(args.cost).read_text()), out))
     if args.acceptance:
         made += plot_acceptance(json.loads(Path(args.acceptance).read_text()), out)
     for path in made:
