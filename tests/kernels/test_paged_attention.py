@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from helpers import paged_case
 
 from aspire_ray.attention import get_backend
 from aspire_ray.kernels import PagedKVMeta
@@ -40,22 +41,7 @@ CONFIGS = {
 
 
 def make_case(q_lens, kv_lens, heads, dtype, page_size=16, sparse=True, seed=0):
-    """Random q and cache; rows list pages of a shared pool in shuffled (non-monotone) order."""
-    hq, hkv, d = heads
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_row = [-(-n // page_size) for n in kv_lens]
-    # sparse rows take a scattered subset of a pool three times larger than needed
-    num_pages = 3 * sum(pages_per_row) if sparse else sum(pages_per_row)
-    pool = torch.randperm(num_pages, generator=gen).tolist()
-    rng = random.Random(seed)
-    page_lists, at = [], 0
-    for n in pages_per_row:
-        page_lists.append(rng.sample(pool, n) if sparse else pool[at : at + n])
-        at += n
-    meta = PagedKVMeta.build(q_lens, page_lists, kv_lens, page_size, device=DEVICE)
-    kv = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
-    return q, kv, meta
+    return paged_case(q_lens, kv_lens, heads, dtype, DEVICE, page_size, sparse, seed)
 
 
 def check(q, kv, meta, dtype, config=DEFAULT_CONFIG, scale=None):

@@ -108,6 +108,21 @@ def tiny_args(model_dir: str, **server) -> AppArgs:
     })
 
 
+def fail_after(aengine: AsyncLLMEngine, steps: int, error: type = RuntimeError,
+               message: str = "device lost") -> None:
+    """Make the engine's executor raise ``error(message)`` from its (steps + 1)-th step on
+    (a device lost, a worker gone)."""
+    execute, calls = aengine.engine.executor.execute, {"n": 0}
+
+    def failing(plan):
+        calls["n"] += 1
+        if calls["n"] > steps:
+            raise error(message)
+        return execute(plan)
+
+    aengine.engine.executor.execute = failing
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

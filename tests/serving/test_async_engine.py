@@ -15,7 +15,7 @@ from aspire_ray.sampling_params import InvalidRequestError
 from aspire_ray.serving.async_engine import AsyncLLMEngine
 from aspire_ray.serving.errors import EngineDeadError
 
-from .server_utils import wait_until
+from .server_utils import fail_after, wait_until
 
 ENGINE_KW = dict(spec_mode="aspire", num_pages=128, max_num_batched_tokens=256, d_max=4,
                  calibrate="off")
@@ -95,16 +95,7 @@ def test_refused_request_raises_and_engine_keeps_serving(tiny_chat_model):
 def test_step_failure_fails_inflight_requests_and_marks_unhealthy(tiny_chat_model, error):
     """A step that raises, or a worker death the engine reports as "error" outputs."""
     engine = make_engine(tiny_chat_model)
-    real_execute = engine.engine.executor.execute
-    calls = {"n": 0}
-
-    def flaky_execute(plan):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise error("GPU fell off the bus")
-        return real_execute(plan)
-
-    engine.engine.executor.execute = flaky_execute
+    fail_after(engine, 3, error, "GPU fell off the bus")
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 

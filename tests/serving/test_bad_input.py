@@ -13,7 +13,7 @@ from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.serving.app import create_app
 from aspire_ray.serving.async_engine import AsyncLLMEngine
 
-from .server_utils import tiny_args
+from .server_utils import fail_after, tiny_args
 
 CAP = 4096  # max_body_bytes of the app under test
 GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
@@ -135,10 +135,7 @@ def test_engine_failure_gives_503(tiny_chat_model):
     engine = AsyncLLMEngine(LLMEngine(args.engine.to_engine_config()))
     app = create_app(engine, args)
 
-    def broken(plan):
-        raise RuntimeError("device lost")
-
-    engine.engine.executor.execute = broken
+    fail_after(engine, 0)
     try:
         err = _assert_error(_send(app, "POST", C, GOOD), 503, code="engine_unhealthy")
         assert "device lost" in err["message"]

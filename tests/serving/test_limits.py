@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from .server_utils import serving, tiny_args, wait_until
+from .server_utils import fail_after, serving, tiny_args, wait_until
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 CAPS = dict(max_prompt_tokens=40, max_output_tokens=8, max_n=2, max_stop_strings=2)
@@ -141,15 +141,7 @@ def test_concurrency_cap_gives_429_and_releases_every_slot(tiny_chat_model):
 def test_slot_released_when_the_engine_fails_mid_stream(tiny_chat_model):
     args = tiny_args(tiny_chat_model, max_concurrent_requests=1)
     with serving(args) as (_, aengine, live):
-        execute, calls = aengine.engine.executor.execute, {"n": 0}
-
-        def dies_after_three_steps(plan):
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise RuntimeError("device lost")
-            return execute(plan)
-
-        aengine.engine.executor.execute = dies_after_three_steps
+        fail_after(aengine, 3)
         with httpx.stream("POST", live.url + C, json=STREAM, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert '"engine_unhealthy"' in lines[-2] and lines[-1] == "data: [DONE]"

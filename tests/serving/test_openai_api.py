@@ -14,7 +14,7 @@ import pytest
 
 from aspire_ray.serving.metrics import ServingMetrics
 
-from .server_utils import serving, tiny_args, wait_until
+from .server_utils import fail_after, serving, tiny_args, wait_until
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
@@ -240,15 +240,7 @@ def test_api_key(tiny_chat_model):
 
 def test_engine_failure_mid_stream_is_reported(tiny_chat_model):
     with serving(tiny_args(tiny_chat_model)) as (_, engine, live):
-        execute, calls = engine.engine.executor.execute, {"n": 0}
-
-        def dies_after_five_steps(plan):
-            calls["n"] += 1
-            if calls["n"] > 5:
-                raise RuntimeError("device lost")
-            return execute(plan)
-
-        engine.engine.executor.execute = dies_after_five_steps
+        fail_after(engine, 5)
         with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0) as c:
             stream = c.completions.create(model="tiny", prompt="x", max_tokens=500, stream=True,
                                           **GREEDY)
