@@ -202,6 +202,34 @@ def test_llm_tp2_end_to_end_then_worker_death_fails_fast(ray_local, tiny_model_d
         llm.shutdown()
 
 
+def test_idle_worker_death_found_by_the_health_probe(ray_local, tiny_model_dir):
+    """No step runs, yet the replica's health probe finds the dead rank: the engine turns
+    unhealthy naming it, and a new request fails at once instead of on its first step."""
+    import asyncio
+
+    from aspire_ray.serving.async_engine import AsyncLLMEngine
+    from aspire_ray.serving.errors import EngineDeadError
+
+    aengine = AsyncLLMEngine(LLMEngine(_cfg(tiny_model_dir("llama"), "ar", tp=2)))
+    try:
+        aengine.probe_workers()
+        assert aengine.healthy  # live idle ranks answer the ping
+        ray.kill(aengine.engine.executor.actors[1])
+        deadline = time.monotonic() + 10
+        while aengine.healthy and time.monotonic() < deadline:
+            aengine.probe_workers()
+        assert not aengine.healthy and "shard worker rank 1 died" in aengine.error
+
+        async def one_request():
+            async for _ in aengine.generate("late", [1, 2, 3], SamplingParams(max_tokens=2)):
+                pass
+
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            asyncio.run(one_request())
+    finally:
+        aengine.shutdown()
+
+
 def test_worker_death_under_compiled_graph(tiny_model_dir, tp2_executor):
     """The compiled-graph transport fails as fast as plain calls (runs last: kills its rank)."""
     cfg = _cfg(tiny_model_dir("llama"), "aspire", tp=2)

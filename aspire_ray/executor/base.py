@@ -18,6 +18,11 @@ class Executor:
     def execute(self, plan: StepPlan) -> StepOutput:
         raise NotImplementedError
 
+    def dead_ranks(self, timeout_s: float = 1.0) -> list[int]:
+        """Ranks whose process is gone, found without running a step (an idle health check).
+        In-process workers cannot die alone: []."""
+        return []
+
     def shutdown(self) -> None:
         pass
 

@@ -254,17 +254,21 @@ class RayExecutor(Executor):
         try:
             return self._transport.run(plan, self.step_timeout_s)
         except Exception as e:
-            dead = self._dead_ranks()
+            dead = self.dead_ranks(timeout_s=2.0)
             what = f"rank {', '.join(map(str, dead))} died" if dead else "failed"
             self._dead = (f"tensor-parallel shard worker {what} in step {plan.step_id} "
                           f"({type(e).__name__}: {_first_line(e)}); the executor is shut down")
             self._close(kill_first=True)
             raise WorkerDiedError(self._dead) from e
 
-    def _dead_ranks(self, timeout_s: float = 2.0) -> list[int]:
-        """Ranks whose actor is gone (for the error message); survivors stuck in a collective
-        just don't answer within the timeout."""
+    def dead_ranks(self, timeout_s: float = 1.0) -> list[int]:
+        """Ranks whose actor is gone. A live rank busy in a step or stuck in a collective just
+        does not answer within the timeout, so it is never reported; after the executor has
+        shut down (a step found a dead rank) there is nothing left to ask: []."""
         import ray
+
+        if self._dead is not None or not self.actors:
+            return []
 
         refs = {a.ping.remote(): r for r, a in enumerate(self.actors)}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)

@@ -75,6 +75,7 @@ def create_app(engine: AsyncLLMEngine, args: AppArgs,
 
     @app.get("/health")
     async def health() -> Response:
+        await asyncio.to_thread(engine.probe_workers)  # pings idle shard workers (Ray)
         if engine.healthy:
             return JSONResponse({"status": "ok"})
         return APIError(503, f"the engine is unhealthy: {engine.error or 'not running'}",

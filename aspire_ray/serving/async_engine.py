@@ -98,6 +98,19 @@ class AsyncLLMEngine:
         """``LLMEngine.stats()`` as of the end of the last step (safe from any thread)."""
         return self._stats
 
+    def probe_workers(self, timeout_s: float = 1.0) -> None:
+        """Idle health check (blocking, up to timeout_s): a shard worker that died while no
+        step ran is otherwise found only by the next request's step. A dead rank fails the
+        engine now, so that /health and Serve's health check see it before traffic does."""
+        if not self.healthy or self._busy:
+            return  # a running step notices a dead rank by itself
+        dead = self.engine.executor.dead_ranks(timeout_s)
+        if dead:
+            ranks = ", ".join(map(str, dead))
+            message = f"engine unhealthy: tensor-parallel shard worker rank {ranks} died"
+            logger.error("%s (found by the idle health check)", message)
+            self._fail_all(EngineDeadError(message))
+
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

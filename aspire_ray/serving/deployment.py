@@ -24,6 +24,7 @@ class AspireServer:
         return self.asgi_app
 
     def check_health(self) -> None:
+        self.engine.probe_workers()  # an idle replica's dead shard worker counts too
         if not self.engine.healthy:
             raise RuntimeError(f"engine unhealthy: {self.engine.error or 'not running'}")
 
