@@ -10,7 +10,7 @@ The sweep, per context length c (pages borrowed from the engine's BlockManager, 
   3. for each batch size B: timed draft steps (B draft rows over their sparse pages) and timed
      verify steps with d drafts per row (B rows of d + 1 tokens over all c + d + 1 tokens).
 Each timed step (run ``repeats`` times, the median kept) gives a sample (n_tokens,
-kv_tokens_read, worker forward seconds), with kv_tokens_read computed exactly as the engine
+kv_tokens_read, worker step seconds), with kv_tokens_read computed exactly as the engine
 does online (draft rows read |S_i| tokens). The synthetic requests use fresh ids and are
 dropped from the workers afterwards.
 
@@ -38,7 +38,7 @@ from aspire_ray.spec.cost_model import CostCoefficients
 if TYPE_CHECKING:
     from .engine import LLMEngine
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: samples are whole worker steps (timings["total"]), not the forward
 _GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
 
@@ -292,7 +292,7 @@ class SweepRunner:
         return n, kv
 
     def _timed(self, plan: StepPlan) -> tuple[float, float, float]:
-        times = sorted(self._execute(plan).timings["forward"]
+        times = sorted(self._execute(plan).timings["total"]
                        for _ in range(self.sweep.repeats))
         n, kv = self.features(plan)
         return float(n), float(kv), float(times[len(times) // 2])
