@@ -66,9 +66,9 @@ def make_plan(runner: SweepRunner, kind: str, ids: list[str], ctx: int, gamma: i
 def time_plan(runner: SweepRunner, kind: str, ids: list[str], ctx: int, args) -> dict:
     """Median wall time of executing a plan (driver view, incl. launches) and of the forward."""
     walls, fwds = [], []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for i in range(args.repeats + 2):  # two warm-ups: graph capture of the bucket, allocator
         plan = make_plan(runner, kind, ids, ctx, args.gamma)
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         sync()
         t0 = time.perf_counter()
         out = runner._execute(plan)

@@ -23,19 +23,25 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
+    """One bar per series in each group, side by side; groups labelled on the x axis."""
+    width = 0.8 / len(series)
+    for i, (name, ys) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(groups))], ys, width, label=name)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(groups))], groups,
+                  fontsize=7 if len(groups) > 4 else None)
+
+
 def plot_speedup(report: dict, out: Path) -> Path:
     rows = report["results"]
     contexts = sorted(dict.fromkeys(r["context"] for r in rows),
                       key=lambda c: int(c) if c.isdigit() else -1)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, mode in enumerate(modes):
-        ys = [next((r["speedup_vs_ar"] for r in rows if r["mode"] == mode and r["context"] == c),
-                   0) for c in contexts]
-        ax.bar([x + i * width for x in range(len(contexts))], ys, width, label=mode)
+    _grouped_bars(ax, contexts, {
+        mode: [next((r["speedup_vs_ar"] for r in rows if r["mode"] == mode and r["context"] == c),
+                    0) for c in contexts] for mode in modes})
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(contexts))], contexts)
     ax.set_xlabel("context bucket (tokens)")
     ax.set_ylabel("decode tokens/s over ar")
     ax.set_title(f"Decode speedup per mode (batch {rows[0].get('batch')}, "
@@ -113,16 +119,18 @@ def plot_decode_acceptance(report: dict, out: Path) -> Path:
     return _save(fig, out / "acceptance_by_position_gpu.png")
 
 
+def _kilo(tokens: int) -> str:
+    """16384 -> '16k', 100000 -> '100k' (as the tables write them)."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens / 1000:.0f}k"
+
+
 def plot_cost(report: dict, out: Path) -> Path:
     """Step times of ar, draft and verify steps per shape and context (scripts/bench_cost.py)."""
     rows = report["results"]
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['shape']}\n{r['context'] / 1000:.0f}k B={r['batch']}" for r in rows]
-    width = 0.27
-    for i, kind in enumerate(("ar", "draft", "verify")):
-        ax.bar([x + i * width for x in range(len(rows))], [r[kind]["wall_ms"] for r in rows],
-               width, label=kind)
-    ax.set_xticks([x + width for x in range(len(rows))], labels, fontsize=7)
+    labels = [f"{r['shape']}\n{_kilo(r['context'])} B={r['batch']}" for r in rows]
+    _grouped_bars(ax, labels, {kind: [r[kind]["wall_ms"] for r in rows]
+                               for kind in ("ar", "draft", "verify")})
     ax.set_ylabel("ms per step (wall)")
     ax.set_title(f"Step cost at paper shapes, random weights ({report.get('device')})")
     ax.legend(fontsize=8)

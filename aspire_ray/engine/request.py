@@ -43,16 +43,12 @@ class Request:
     verified_once: bool = False
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def last_token(self) -> int:
-        """all_token_ids[-1] without building the list (O(context) per call)."""
+        """The request's latest token (its last output token, else its last prompt token)."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """all_token_ids[start:stop] without concatenating the prompt and the output."""
+        """(prompt + output)[start:stop] without concatenating the two (O(context) a step)."""
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]

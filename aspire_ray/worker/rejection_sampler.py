@@ -12,7 +12,7 @@ import torch
 
 from aspire_ray.plan import Stream
 
-from .sampler import sample_from_probs, uniform
+from .sampler import i64, sample_from_probs, uniform
 
 
 def verify_greedy(target: list[int], drafts: list[int]) -> tuple[int, list[int]]:
@@ -28,7 +28,9 @@ def verify_greedy(target: list[int], drafts: list[int]) -> tuple[int, list[int]]
 
 def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: list[int],
                    seed: int, pos0: int) -> tuple[int, list[int]]:
-    """Speculative rejection sampling; keeps the target distribution exactly.
+    """Speculative rejection sampling of one row; keeps the target distribution exactly.
+
+    The meaning of ``verify_sampled_batch`` (which the worker runs), kept as its reference.
 
     target_probs [d+1, V], draft_probs [d, V] (the q each draft was sampled from).
     """
@@ -84,11 +86,11 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
     accepted = [len(row.drafts) for row in rows]
     if first[-1]:
         flat = [(i, jj) for i, row in enumerate(rows) for jj in range(len(row.drafts))]
-        token = _i64([t for row in rows for t in row.drafts], device)
-        p = target_probs[_i64([rows[i].logit_row + jj for i, jj in flat], device), token].double()
+        token = i64([t for row in rows for t in row.drafts], device)
+        p = target_probs[i64([rows[i].logit_row + jj for i, jj in flat], device), token].double()
         q = draft_probs[torch.arange(first[-1], device=device), token].double()
-        u = uniform(_i64([rows[i].seed for i, _ in flat], device),
-                    _i64([rows[i].pos0 + jj for i, jj in flat], device), Stream.ACCEPT, 1)[:, 0]
+        u = uniform(i64([rows[i].seed for i, _ in flat], device),
+                    i64([rows[i].pos0 + jj for i, jj in flat], device), Stream.ACCEPT, 1)[:, 0]
         # accept d_j with probability min(1, p/q)  <=>  u * q <= p
         rejected = (u * q > p).tolist()
         for i, row in enumerate(rows):
@@ -98,8 +100,8 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
     # rows with a rejection: resample from the residual max(p - q, 0), normalised
     res = [i for i, row in enumerate(rows) if accepted[i] < len(row.drafts)]
     if res:
-        p_at = target_probs[_i64([rows[i].logit_row + accepted[i] for i in res], device)]
-        q_at = draft_probs[_i64([first[i] + accepted[i] for i in res], device)]
+        p_at = target_probs[i64([rows[i].logit_row + accepted[i] for i in res], device)]
+        q_at = draft_probs[i64([first[i] + accepted[i] for i in res], device)]
         residual = (p_at - q_at).clamp_min(0).double()
         total = residual.sum(dim=-1, keepdim=True)
         dist = torch.where(total > 0, residual / total.clamp_min(1e-300), p_at.double())
@@ -107,7 +109,7 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
     # rows whose drafts all passed: the target's own token from p_d
     full = [i for i, row in enumerate(rows) if accepted[i] == len(row.drafts)]
     if full:
-        p_end = target_probs[_i64([rows[i].logit_row + accepted[i] for i in full], device)]
+        p_end = target_probs[i64([rows[i].logit_row + accepted[i] for i in full], device)]
         final.update(zip(full, _draw(p_end, rows, full, accepted, Stream.TARGET), strict=True))
     return [(accepted[i], row.drafts[: accepted[i]] + [final[i]]) for i, row in enumerate(rows)]
 
@@ -116,10 +118,6 @@ def _draw(dist: torch.Tensor, rows: list[SampledVerify], which: list[int], accep
           stream: Stream) -> list[int]:
     """One token per listed row from dist [len(which), V], at position pos0 + accepted."""
     device = dist.device
-    seeds = _i64([rows[i].seed for i in which], device)
-    positions = _i64([rows[i].pos0 + accepted[i] for i in which], device)
+    seeds = i64([rows[i].seed for i in which], device)
+    positions = i64([rows[i].pos0 + accepted[i] for i in which], device)
     return sample_from_probs(dist, seeds, positions, stream).tolist()
-
-
-def _i64(xs: list[int], device) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64, device=device)

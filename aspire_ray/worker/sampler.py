@@ -14,6 +14,11 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
+def i64(xs: list[int], device) -> torch.Tensor:
+    """A host list of ints as an int64 tensor on device (seeds, positions, row indices)."""
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finaliser on int64 tensors holding values in [0, 2^32)."""
     x = x ^ (x >> 16)

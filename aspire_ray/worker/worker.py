@@ -310,9 +310,9 @@ class Worker:
             if not rs:
                 continue
             dev = probs.device
-            seeds = _i64([self.requests[rows[r].req_id].sampling.seed for r in rs], dev)
-            positions = _i64([rows[r].context_len for r in rs], dev)
-            picked = probs[_i64([offsets[r] for r in rs], dev)]
+            seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in rs], dev)
+            positions = sampler.i64([rows[r].context_len for r in rs], dev)
+            picked = probs[sampler.i64([offsets[r] for r in rs], dev)]
             tokens = sampler.sample_from_probs(picked, seeds, positions, stream).tolist()
             drawn.update(zip(rs, tokens, strict=True))
         return drawn
@@ -328,10 +328,6 @@ class Worker:
         dev = logits.device
         temp = torch.tensor([s.temperature if not s.greedy else 1.0 for s in specs],
                             dtype=torch.float32, device=dev)
-        top_k = _i64([s.top_k for s in specs], dev)
+        top_k = sampler.i64([s.top_k for s in specs], dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
         return sampler.probs_from_logits(logits, temp, top_k, top_p)
-
-
-def _i64(xs: list[int], device) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64, device=device)
