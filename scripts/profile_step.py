@@ -65,6 +65,24 @@ def _profile(engine: LLMEngine, steps: int) -> dict:
                             for e in top]}  # fmt: skip
 
 
+def _host_profile(engine: LLMEngine, steps: int, top: int) -> list[tuple[str, int, float, float]]:
+    """cProfile of ``steps`` engine steps: the host functions with the most own time
+    (name, calls per step, own us per step, cumulative us per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, func) -> (cc, nc, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{f.rsplit('/', 2)[-1]}:{line}({fn})", nc // steps, round(tt / steps * 1e6),
+             round(ct / steps * 1e6)) for (f, line, fn), (_, nc, tt, ct, _) in rows]
+
+
 def run(mode: str, args, graphs: bool) -> dict:
     engine = _engine(mode, args, graphs)
     before = dict(engine.stats()["timings"])
@@ -86,6 +104,11 @@ def run(mode: str, args, graphs: bool) -> dict:
           f"GPU, {result['kernel_launches_per_step']:6.0f} kernel + "
           f"{result['graph_launches_per_step']:3.0f} graph launches/step; {split}", flush=True)
     print("    top CPU ops (name, calls/step, us/step):", result["top_cpu_ops"], flush=True)
+    if args.cprofile:
+        result["host_profile"] = _host_profile(engine, args.cprofile, 30)
+        print("    host functions (name, calls/step, own us/step, cumulative us/step):")
+        for row in result["host_profile"]:
+            print("     ", *row, flush=True)
     del engine
     torch.cuda.empty_cache()
     return result
@@ -102,6 +125,8 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=20000)
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cprofile", type=int, default=0,
+                   help="also cProfile this many steps and print the hottest host functions")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     graph_opts = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
