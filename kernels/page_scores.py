@@ -13,12 +13,14 @@ range [kv_indptr[r] * ps, kv_indptr[r + 1] * ps), which the programs cover exact
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .metadata import PagedKVMeta
-from .paged_attention import check_cache, check_meta, check_q, host_to_device, interpreting, mma
+from .host import ragged_arange, upload
+from .paged_attention import check_cache, check_meta, check_q, interpreting, mma
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per program
@@ -65,16 +67,12 @@ def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, int]:
     """int32 [2, W] (row, first token) per program; cached on the metadata object."""
     cache = meta.__dict__.setdefault("_triton_score_work", {})
     if BLOCK_N not in cache:
-        kvp, ps = meta.kv_indptr_host, meta.page_size
-        rows, starts = [], []
-        for r in range(meta.num_rows):
-            for start in range(0, (kvp[r + 1] - kvp[r]) * ps, BLOCK_N):
-                rows.append(r)
-                starts.append(start)
-        host, dev = host_to_device(rows + starts, meta.kv_indptr.device)
-        cache[BLOCK_N] = (dev.view(2, len(rows)), len(rows), host)
-    work, num_items, _ = cache[BLOCK_N]
-    return work, num_items
+        slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
+        per_row = -(-slots // BLOCK_N)
+        rows = np.repeat(np.arange(len(per_row)), per_row)
+        work = np.stack([rows, ragged_arange(per_row) * BLOCK_N]).astype(np.int32)
+        cache[BLOCK_N] = (upload(work, meta.kv_indptr.device), work.shape[1])
+    return cache[BLOCK_N]
 
 
 def token_max_probs(

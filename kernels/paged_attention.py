@@ -24,10 +24,12 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
 
 _LOG2E = 1.4426950408889634
@@ -208,7 +210,6 @@ class _Plan:
     merge: torch.Tensor | None  # [2, num_part]: output token, number of splits
     num_part: int  # query tokens of split rows (rows of the partial buffers)
     max_splits: int
-    host: torch.Tensor  # keeps the pinned source of the async copy alive
 
 
 def _block_n(cfg: AttentionConfig, block_m: int, head_dim: int, elem_size: int) -> int:
@@ -224,62 +225,56 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def host_to_device(rows: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One host->device copy without a device sync (pinned source, non_blocking)."""
-    host = torch.tensor(rows, dtype=torch.int32)
-    if device.type != "cuda":
-        return host, host
-    host = host.pin_memory()
-    return host, host.to(device, non_blocking=True)
-
-
 def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
-    qo, kvp, ps = meta.qo_indptr_host, meta.kv_indptr_host, meta.page_size
-    device = meta.qo_indptr.device
-    rows = []  # (row, n_q, n_pages, kv_len, block_m, query tokens per block, blocks)
-    work_pages = 0
-    for r in range(meta.num_rows):
-        n_q, n_pages = qo[r + 1] - qo[r], kvp[r + 1] - kvp[r]
-        block_m = triton.next_power_of_2(n_q * group)
-        block_m = min(cfg.block_m_max, max(cfg.block_m_min, block_m))
-        tokens = block_m // group
-        blocks = -(-n_q // tokens)
-        rows.append((r, n_q, n_pages, meta.kv_len_host(r), block_m, tokens, blocks))
-        work_pages += n_pages * blocks
+    """Work items of every row (numpy, no per-row Python loop): a row of n_q queries is cut
+    into ``blocks`` query tiles of BLOCK_M rows, times ``splits`` KV chunks when split."""
+    ps = meta.page_size
+    qo = np.asarray(meta.qo_indptr_host, dtype=np.int64)
+    n_q = np.diff(qo)
+    n_pages = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64))
+    kv_len = (n_pages - 1) * ps + np.asarray(meta.kv_last_page_len_host, dtype=np.int64)
+    block_m = np.clip(next_power_of_2(n_q * group), cfg.block_m_min, cfg.block_m_max)
+    tokens = block_m // group  # query tokens per tile
+    blocks = -(-n_q // tokens)
     if cfg.kv_chunk_pages is not None:
         chunk = cfg.kv_chunk_pages
     else:
-        target = cfg.waves * _num_sms(device)
-        chunk = max(cfg.min_chunk_pages, math.ceil(work_pages * hkv / target))
-    items: dict[int, list[tuple[int, ...]]] = {}  # block_m -> work items
-    merge_tok, merge_splits = [], []
-    for r, n_q, n_pages, kv_len, block_m, tokens, blocks in rows:
-        splits = -(-n_pages // chunk) if n_q <= cfg.split_max_q else 1
-        if splits == 1:
-            bounds, part_base = [(0, kv_len, -1)], 0
-        else:
-            per = -(-n_pages // splits)  # pages per chunk, balanced
-            splits = -(-n_pages // per)
-            bounds = [(s * per * ps, min((s + 1) * per * ps, kv_len), s) for s in range(splits)]
-            part_base = len(merge_tok)
-            merge_tok.extend(range(qo[r], qo[r + 1]))
-            merge_splits.extend([splits] * n_q)
-        for b in range(blocks):
-            for lo, hi, s in bounds:
-                items.setdefault(block_m, []).append((r, b * tokens, lo, hi, s, part_base))
-    launches_host, flat = [], []
-    for block_m, block_items in sorted(items.items()):
-        launches_host.append((len(flat), len(block_items), block_m))
-        for col in zip(*block_items, strict=True):
-            flat.extend(col)
-    merge_at = len(flat)
-    flat.extend(merge_tok)
-    flat.extend(merge_splits)
-    host, dev = host_to_device(flat, device)
-    launches = [(dev[at : at + 6 * w].view(6, w), w, bm) for at, w, bm in launches_host]
-    merge = dev[merge_at:].view(2, len(merge_tok)) if merge_tok else None
-    max_splits = max(merge_splits, default=1)
-    return _Plan(launches, merge, len(merge_tok), max_splits, host)
+        target = cfg.waves * _num_sms(meta.qo_indptr.device)
+        chunk = max(cfg.min_chunk_pages, math.ceil(int((n_pages * blocks).sum()) * hkv / target))
+    splits = np.where(n_q <= cfg.split_max_q, -(-n_pages // chunk), 1)
+    per = -(-n_pages // splits)  # pages per chunk, balanced
+    splits = -(-n_pages // per)
+    split_rows = np.nonzero(splits > 1)[0]
+    part_base = np.zeros_like(n_q)  # first partial row of each split row
+    part_base[split_rows] = offsets(n_q[split_rows])[:-1]
+
+    # items: for each row, for each query tile b, for each chunk s (b-major)
+    per_row = blocks * splits
+    row = np.repeat(np.arange(len(n_q)), per_row)
+    local = ragged_arange(per_row)
+    s = local % splits[row]
+    is_split = splits[row] > 1
+    lo = np.where(is_split, s * per[row] * ps, 0)
+    hi = np.where(is_split, np.minimum((s + 1) * per[row] * ps, kv_len[row]), kv_len[row])
+    items = np.stack([row, local // splits[row] * tokens[row], lo, hi,
+                      np.where(is_split, s, -1), part_base[row]])  # fmt: skip
+    # one launch per BLOCK_M, rows in order within it
+    item_bm = block_m[row]
+    order = np.argsort(item_bm, kind="stable")
+    parts, launches_host, at = [], [], 0
+    for bm in np.unique(item_bm).tolist():
+        sel = order[item_bm[order] == bm]
+        parts.append(items[:, sel].reshape(-1))
+        launches_host.append((at, len(sel), bm))
+        at += 6 * len(sel)
+    merge_tok = np.repeat(qo[split_rows], n_q[split_rows]) + ragged_arange(n_q[split_rows])
+    merge_splits = np.repeat(splits[split_rows], n_q[split_rows])
+    parts += [merge_tok, merge_splits]
+    dev = upload(np.concatenate(parts).astype(np.int32), meta.qo_indptr.device)
+    launches = [(dev[a : a + 6 * w].view(6, w), w, bm) for a, w, bm in launches_host]
+    num_part = len(merge_tok)
+    merge = dev[at:].view(2, num_part) if num_part else None
+    return _Plan(launches, merge, num_part, int(merge_splits.max(initial=1)))
 
 
 def _plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:

@@ -1,18 +1,49 @@
-"""Committed tokens -> text, and stop-string detection (driver side)."""
+"""Committed tokens -> text, incrementally, and stop-string detection (driver side)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeState:
+    """Where a request's incremental decoding stands (the prefix-offset scheme of vLLM / TGI).
+
+    ``text`` is the text of ``ids[:read]``; tokens before ``prefix`` are settled, and the window
+    ``ids[prefix:]`` is decoded again when tokens arrive, so that a token whose text depends on
+    its neighbours (a multi-byte character split over tokens) is emitted once complete.
+    """
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    prefix_text: str = ""  # the decoding of ids[prefix:read]
+
 
 class Detokenizer:
-    """Decodes a request's output; checks stop strings only in the newly produced tail."""
+    """Decodes requests' outputs; checks stop strings only in the newly produced tail."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
     def decode(self, token_ids: list[int]) -> str:
+        """The whole text of ``token_ids`` (the final text of a request)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def update(self, state: DecodeState, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` (which extend those of earlier calls), decoding only the
+        unsettled window: O(new tokens) rather than O(output) per step. An incomplete
+        character at the end is held back (it would decode as U+FFFD)."""
+        if self.tokenizer is None or len(token_ids) <= state.read:
+            return state.text
+        window = self.decode(token_ids[state.prefix :])
+        if len(window) > len(state.prefix_text) and not window.endswith("\ufffd"):
+            state.text += window[len(state.prefix_text) :]
+            state.prefix, state.read = state.read, len(token_ids)
+            state.prefix_text = self.decode(token_ids[state.prefix : state.read])
+        return state.text
 
     @staticmethod
     def find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

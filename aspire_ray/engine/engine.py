@@ -202,7 +202,7 @@ class LLMEngine:
                 break
             if p.stop:
                 old_len = len(req.text)
-                req.text = self.detok.decode(req.output_token_ids)
+                req.text = self.detok.update(req.decode_state, req.output_token_ids)
                 hit = self.detok.find_stop(req.text, p.stop, old_len)
                 if hit is not None:
                     start, stop = hit
@@ -255,7 +255,7 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.req_id, None)
         elif not req.params.stop:
-            req.text = self.detok.decode(req.output_token_ids)
+            req.text = self.detok.update(req.decode_state, req.output_token_ids)
         return RequestOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
                              req.text, finished, req.finish_reason, req.metrics)
 

@@ -9,6 +9,8 @@ from aspire_ray.outputs import RequestMetrics
 from aspire_ray.plan import SamplingSpec
 from aspire_ray.sampling_params import SamplingParams
 
+from .detokenizer import DecodeState
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -36,6 +38,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""
+    decode_state: DecodeState = field(default_factory=DecodeState)  # incremental detokenizing
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # speculation state (owned by the draft policy)
     alpha: float = 0.0

@@ -1,7 +1,7 @@
 """One step's flattened inputs and attention plan (DESIGN.md §1.4: built once, used by every layer).
 
-Built on the host with numpy (no per-token Python loops) and sent to the device in two pinned,
-asynchronous copies: the int64 token inputs (ids, positions, KV slots; padded to the CUDA-graph
+Built on the host with numpy (no per-token Python loops) and sent to the device in two
+asynchronous copies from pooled pinned buffers (``kernels.host.upload``): the int64 token inputs (ids, positions, KV slots; padded to the CUDA-graph
 bucket when graphs run) and one int32 buffer holding every page list and index of the step.
 Draft rows' sparse lists are planned here (their lengths depend only on page counts); their
 top-k middles are chosen on the device (``draft_pages``) before the first layer and again after
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.host import offsets, ragged_arange, upload
 from aspire_ray.plan import RowKind, RowPlan
 
 from .draft_pages import choose_top_pages
@@ -28,31 +29,6 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 _VERIFY, _DRAFT, _PREFILL = int(RowKind.VERIFY), int(RowKind.DRAFT), int(RowKind.PREFILL)
-
-
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    """[R] counts -> [R + 1] exclusive prefix sums (int64)."""
-    out = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
-
-
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
-    """[R] counts -> the concatenation of arange(c) for each c."""
-    starts = _offsets(counts)
-    return np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], counts)
-
-
-def to_device(host: np.ndarray, device: torch.device, out: torch.Tensor | None = None):
-    """One host->device copy without a device sync (pinned source, non_blocking), into ``out``
-    (contiguous) when given. Returns (the host tensor, to keep alive; the device tensor)."""
-    src = torch.from_numpy(host)
-    if device.type != "cuda":
-        return src, src if out is None else out.copy_(src)
-    src = src.pin_memory()
-    if out is None:
-        return src, src.to(device, non_blocking=True)
-    return src, out.copy_(src, non_blocking=True)
 
 
 class _Int32Upload:
@@ -74,7 +50,7 @@ class _Int32Upload:
         buf = np.zeros(max(total, 4), dtype=np.int32)
         for s, p in zip(starts, self.parts, strict=True):
             buf[s : s + len(p)] = p
-        self.host, dev = to_device(buf, device)
+        dev = upload(buf, device)
         return [dev[s : s + len(p)] for s, p in zip(starts, self.parts, strict=True)]
 
 
@@ -90,8 +66,8 @@ class _Lists:
     def meta(self, t: list[torch.Tensor], page_size: int) -> PagedKVMeta:
         h = self.handles
         return PagedKVMeta(t[h[0]], t[h[1]], t[h[2]], t[h[3]], page_size,
-                           qo_indptr_host=_offsets(self.q_lens).tolist(),
-                           kv_indptr_host=_offsets(self.pages).tolist(),
+                           qo_indptr_host=offsets(self.q_lens).tolist(),
+                           kv_indptr_host=offsets(self.pages).tolist(),
                            kv_last_page_len_host=self.last.tolist())  # fmt: skip
 
 
@@ -122,10 +98,10 @@ class StepBatch:
                                    f"hold {row.context_len} tokens")  # fmt: skip
         full = np.concatenate([req.block_table.pages[:p]
                                for req, p in zip(reqs, pages.tolist(), strict=True)])  # fmt: skip
-        full_kvp, tok_kvp = _offsets(pages), _offsets(n)
+        full_kvp, tok_kvp = offsets(pages), offsets(n)
         t = int(tok_kvp[-1])
         self.num_tokens = t
-        pos = _ragged_arange(n) + np.repeat(start, n)
+        pos = ragged_arange(n) + np.repeat(start, n)
         # even width: each row starts 16-byte aligned (Triton specialises on alignment)
         width = t + t % 2 if graph_inputs is None else graph_inputs.shape[1]
         tokens = np.zeros((3, width), dtype=np.int64)
@@ -135,15 +111,15 @@ class StepBatch:
         tokens[2, t:] = -1  # padding tokens: the KV store skips negative slots
         tokens[2, :t] = full[np.repeat(full_kvp[:-1], n) + pos // ps].astype(np.int64) * ps \
             + pos % ps  # fmt: skip
-        self._tokens_host, self.tokens = to_device(tokens, dev, graph_inputs)
+        self.tokens = upload(tokens, dev, graph_inputs)
         self.input_ids, self.positions, self.slot_mapping = (x[:t] for x in self.tokens)
 
         # logits: every token of a verify row; the last token of a draft row / sampling prefill
         n_logits = np.where(kind == _VERIFY, n,
                             ((kind == _DRAFT) | ((kind == _PREFILL) & sample)).astype(np.int64))
-        self.logit_offsets = _offsets(n_logits).tolist()
+        self.logit_offsets = offsets(n_logits).tolist()
         up = _Int32Upload()
-        h_logits = up.add(np.repeat(tok_kvp[1:] - n_logits, n_logits) + _ragged_arange(n_logits))
+        h_logits = up.add(np.repeat(tok_kvp[1:] - n_logits, n_logits) + ragged_arange(n_logits))
         last = ctx - (pages - 1) * ps
         full_lists = _Lists(n, pages, last, (up.add(tok_kvp), up.add(full_kvp), up.add(full),
                                              up.add(last)))  # fmt: skip
@@ -166,7 +142,6 @@ class StepBatch:
                 reqs[r].scored_pages = int(pages[r])
 
         tensors = up.send(dev)
-        self._upload = up  # its pinned source outlives the asynchronous copy
         self.logit_index = tensors[h_logits]
         meta_full = full_lists.meta(tensors, ps)
         self.full_indices = meta_full.kv_indices
@@ -206,14 +181,14 @@ class StepBatch:
         if not n_q.any():
             return None
         q_row = np.repeat(np.arange(len(n)), n_q)
-        local = np.where(two[q_row] & (_ragged_arange(n_q) == 0), 0, n[q_row] - 1)
+        local = np.where(two[q_row] & (ragged_arange(n_q) == 0), 0, n[q_row] - 1)
         visible = ctx[q_row] - n[q_row] + 1 + local
         q_pages = (visible + ps - 1) // ps
-        j = _ragged_arange(q_pages)
+        j = ragged_arange(q_pages)
         indices = full[np.repeat(full_kvp[q_row], q_pages) + j]
         q_last = visible - (q_pages - 1) * ps
         q_lists = _Lists(np.ones(len(q_row), np.int64), q_pages, q_last,
-                         (up.add(np.arange(len(q_row) + 1)), up.add(_offsets(q_pages)),
+                         (up.add(np.arange(len(q_row) + 1)), up.add(offsets(q_pages)),
                           up.add(indices), up.add(q_last)))  # fmt: skip
         owners = np.nonzero(n_q)[0]
         slot = np.zeros(len(n), np.int64)
@@ -232,8 +207,8 @@ class StepBatch:
         n_top = np.where(draft, n_top, 0)
         tail_start = np.where(draft, tail_start, pages)
         counts = head_end + n_top + (pages - tail_start)
-        sparse_kvp = _offsets(counts)
-        j = _ragged_arange(counts)
+        sparse_kvp = offsets(counts)
+        j = ragged_arange(counts)
         jump = np.repeat(head_end + n_top, counts)
         logical = np.where(j >= jump, j + np.repeat(tail_start, counts) - jump,
                            np.minimum(j, np.repeat(pages, counts) - 1))  # middles: placeholders
