@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class PagedKVMeta:
     qo_indptr_host: list[int] | None = None
     kv_indptr_host: list[int] | None = None
     kv_last_page_len_host: list[int] | None = None
+    # CUDA graphs: a paged_attention.FixedPlan whose buffers hold this step's work lists (the
+    # tensors above are then fixed buffers too, and the host copies are not needed).
+    fixed_plan: Any = None
 
     @property
     def num_rows(self) -> int:

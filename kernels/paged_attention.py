@@ -81,27 +81,33 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
-# Runtime counts and plan-buffer pointers vary every step: specialising on them (== 1, % 16,
-# 16-byte alignment) would compile new variants mid-serving, so they are not specialised.
-@triton.jit(do_not_specialize=["work_ptr", "num_items", "num_part"])
+# Runtime counts, capacities and plan-buffer pointers vary from step to step (or bucket to
+# bucket): specialising on them (== 1, % 16, 16-byte alignment) would compile new variants
+# mid-serving, so they are not specialised.
+@triton.jit(do_not_specialize=["work_ptr", "count_ptr", "capacity"])
 def _attn_kernel(
-    q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, work_ptr, num_items,
+    q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, work_ptr, count_ptr, capacity,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, last_len_ptr,
     stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_ot, stride_oh,
-    num_q_heads, num_part, scale_log2,
+    num_q_heads, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     wid = tl.program_id(0)
     kvh = tl.program_id(1)
-    # work item: row, first query token, KV token range [kv_lo, kv_hi), split index, partial base
+    # The grid covers the plan's capacity; the step's item count is read on the device, so a
+    # CUDA graph replays the same launch for any step that fits.
+    if wid >= tl.load(count_ptr):
+        return
+    # work item (columns of [6, capacity]): row, first query token, KV token range
+    # [kv_lo, kv_hi), split index (-1: unsplit), the row's first partial row
     row = tl.load(work_ptr + wid)
-    q_first = tl.load(work_ptr + num_items + wid)
-    kv_lo = tl.load(work_ptr + 2 * num_items + wid)
-    kv_hi = tl.load(work_ptr + 3 * num_items + wid)
-    split = tl.load(work_ptr + 4 * num_items + wid)
-    part_base = tl.load(work_ptr + 5 * num_items + wid)
+    q_first = tl.load(work_ptr + capacity + wid)
+    kv_lo = tl.load(work_ptr + 2 * capacity + wid)
+    kv_hi = tl.load(work_ptr + 3 * capacity + wid)
+    split = tl.load(work_ptr + 4 * capacity + wid)
+    part_base = tl.load(work_ptr + 5 * capacity + wid)
 
     qo_start = tl.load(qo_indptr_ptr + row)
     n_q = tl.load(qo_indptr_ptr + row + 1) - qo_start
@@ -155,22 +161,28 @@ def _attn_kernel(
             l_off = (qo_start + tok).to(tl.int64) * num_q_heads + head
             tl.store(lse_ptr + l_off, lse2 * 0.6931471805599453, mask=row_ok)
     else:
-        p_off = (split * num_part + part_base + tok).to(tl.int64) * num_q_heads + head
+        # a split row's partial rows: split-major, n_q per split
+        p_off = (part_base + split * n_q + tok).to(tl.int64) * num_q_heads + head
         tl.store(opart_ptr + p_off[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
         tl.store(lpart_ptr + p_off, lse2, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["merge_ptr", "num_part"])
+@triton.jit(do_not_specialize=["merge_ptr", "count_ptr", "capacity"])
 def _merge_kernel(
-    out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, num_part, stride_ot, stride_oh,
+    out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, count_ptr, capacity, stride_ot, stride_oh,
     num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):  # fmt: skip
     # One program per (split query token, HEAD_BLOCK heads); SPLIT_BLOCK splits are loaded at
     # once, so a row split 100 ways merges in a few dependent steps rather than 100.
     pt = tl.program_id(0)
+    if pt >= tl.load(count_ptr):
+        return
+    # merge entry (columns of [4, capacity]): output token, splits, first partial row, stride
     tok = tl.load(merge_ptr + pt).to(tl.int64)
-    n_splits = tl.load(merge_ptr + num_part + pt)
+    n_splits = tl.load(merge_ptr + capacity + pt)
+    p_first = tl.load(merge_ptr + 2 * capacity + pt)
+    p_stride = tl.load(merge_ptr + 3 * capacity + pt)
     h = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     h_ok = h < num_q_heads
     d = tl.arange(0, HEAD_DIM)
@@ -180,7 +192,7 @@ def _merge_kernel(
     for s0 in range(0, n_splits, SPLIT_BLOCK):
         s = s0 + tl.arange(0, SPLIT_BLOCK)
         ok = (s < n_splits)[:, None] & h_ok[None, :]  # [SPLIT_BLOCK, HEAD_BLOCK]
-        p_off = (s[:, None] * num_part + pt).to(tl.int64) * num_q_heads + h[None, :]
+        p_off = (p_first + s[:, None] * p_stride).to(tl.int64) * num_q_heads + h[None, :]
         lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"))
         o_s = tl.load(opart_ptr + p_off[:, :, None] * HEAD_DIM + d[None, None, :],
                       mask=ok[:, :, None], other=0.0)  # fmt: skip
@@ -203,13 +215,32 @@ def _merge_kernel(
 
 
 @dataclass
-class _Plan:
-    """Device work lists for one (meta, group, kv heads, config); int32 views of one buffer."""
+class _Launch:
+    """One kernel launch over a work list: int32 columns [rows, capacity] and the item count,
+    both on the device (views of the plan's buffer)."""
 
-    launches: list[tuple[torch.Tensor, int, int]]  # (work [6, W], W, block_m) per launch
-    merge: torch.Tensor | None  # [2, num_part]: output token, number of splits
-    num_part: int  # query tokens of split rows (rows of the partial buffers)
-    max_splits: int
+    work: torch.Tensor
+    count: torch.Tensor  # int32 [1]
+    capacity: int  # grid size and column stride
+    block_m: int = 0  # attention launches: the query tile
+
+
+@dataclass
+class _Plan:
+    """Device work lists of one step's metadata (or a FixedPlan's fixed-capacity slots)."""
+
+    launches: list[_Launch]  # attention, one per BLOCK_M; work [6, capacity]
+    merge: _Launch | None  # split-KV merge; work [4, capacity]
+    part_rows: int  # rows of the partial buffers
+    opart: torch.Tensor | None = None  # FixedPlans own their partial buffers
+    lpart: torch.Tensor | None = None
+
+
+@dataclass
+class _HostPlan:
+    items: dict[int, np.ndarray]  # BLOCK_M -> int64 [6, W] work items
+    merge: np.ndarray  # int64 [4, M]: output token, splits, first partial row, partial stride
+    part_rows: int
 
 
 def _block_n(cfg: AttentionConfig, block_m: int, head_dim: int, elem_size: int) -> int:
@@ -225,28 +256,42 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
+def _config_for(config: AttentionConfig, group: int) -> AttentionConfig:
+    """A tile holds at least one token's whole GQA group."""
+    if config.block_m_max >= group:
+        return config
+    big = triton.next_power_of_2(group)
+    return replace(config, block_m_min=big, block_m_max=big)
+
+
+def _block_m(n_q: np.ndarray, group: int, cfg: AttentionConfig) -> np.ndarray:
+    return np.clip(next_power_of_2(n_q * group), cfg.block_m_min, cfg.block_m_max)
+
+
+def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
+               device: torch.device) -> _HostPlan:  # fmt: skip
     """Work items of every row (numpy, no per-row Python loop): a row of n_q queries is cut
-    into ``blocks`` query tiles of BLOCK_M rows, times ``splits`` KV chunks when split."""
+    into ``blocks`` query tiles of BLOCK_M rows, times ``splits`` KV chunks when split. A split
+    row owns n_q * splits partial rows (split-major) from its ``part_base``."""
     ps = meta.page_size
     qo = np.asarray(meta.qo_indptr_host, dtype=np.int64)
     n_q = np.diff(qo)
     n_pages = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64))
     kv_len = (n_pages - 1) * ps + np.asarray(meta.kv_last_page_len_host, dtype=np.int64)
-    block_m = np.clip(next_power_of_2(n_q * group), cfg.block_m_min, cfg.block_m_max)
+    block_m = _block_m(n_q, group, cfg)
     tokens = block_m // group  # query tokens per tile
     blocks = -(-n_q // tokens)
     if cfg.kv_chunk_pages is not None:
         chunk = cfg.kv_chunk_pages
     else:
-        target = cfg.waves * _num_sms(meta.qo_indptr.device)
+        target = cfg.waves * _num_sms(device)
         chunk = max(cfg.min_chunk_pages, math.ceil(int((n_pages * blocks).sum()) * hkv / target))
     splits = np.where(n_q <= cfg.split_max_q, -(-n_pages // chunk), 1)
     per = -(-n_pages // splits)  # pages per chunk, balanced
     splits = -(-n_pages // per)
-    split_rows = np.nonzero(splits > 1)[0]
-    part_base = np.zeros_like(n_q)  # first partial row of each split row
-    part_base[split_rows] = offsets(n_q[split_rows])[:-1]
+    sr = np.nonzero(splits > 1)[0]  # split rows
+    part_base = np.zeros_like(n_q)
+    part_base[sr] = offsets(n_q[sr] * splits[sr])[:-1]
 
     # items: for each row, for each query tile b, for each chunk s (b-major)
     per_row = blocks * splits
@@ -258,26 +303,55 @@ def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -
     hi = np.where(is_split, np.minimum((s + 1) * per[row] * ps, kv_len[row]), kv_len[row])
     items = np.stack([row, local // splits[row] * tokens[row], lo, hi,
                       np.where(is_split, s, -1), part_base[row]])  # fmt: skip
-    # one launch per BLOCK_M, rows in order within it
     item_bm = block_m[row]
-    order = np.argsort(item_bm, kind="stable")
-    parts, launches_host, at = [], [], 0
-    for bm in np.unique(item_bm).tolist():
-        sel = order[item_bm[order] == bm]
-        parts.append(items[:, sel].reshape(-1))
-        launches_host.append((at, len(sel), bm))
-        at += 6 * len(sel)
-    merge_tok = np.repeat(qo[split_rows], n_q[split_rows]) + ragged_arange(n_q[split_rows])
-    merge_splits = np.repeat(splits[split_rows], n_q[split_rows])
-    parts += [merge_tok, merge_splits]
-    dev = upload(np.concatenate(parts).astype(np.int32), meta.qo_indptr.device)
-    launches = [(dev[a : a + 6 * w].view(6, w), w, bm) for a, w, bm in launches_host]
-    num_part = len(merge_tok)
-    merge = dev[at:].view(2, num_part) if num_part else None
-    return _Plan(launches, merge, num_part, int(merge_splits.max(initial=1)))
+    order = np.argsort(item_bm, kind="stable")  # one launch per BLOCK_M, rows in order
+    by_bm = {bm: items[:, order[item_bm[order] == bm]] for bm in np.unique(item_bm).tolist()}
+    tok = ragged_arange(n_q[sr])
+    merge = np.stack([np.repeat(qo[sr], n_q[sr]) + tok, np.repeat(splits[sr], n_q[sr]),
+                      np.repeat(part_base[sr], n_q[sr]) + tok, np.repeat(n_q[sr], n_q[sr])])
+    return _HostPlan(by_bm, merge, int((n_q[sr] * splits[sr]).sum()))
+
+
+def _layout(capacities: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Offsets of [count (padded to 4 ints), columns x capacity] segments; 16-byte aligned."""
+    starts, at = [], 0
+    for cols, cap in capacities:
+        starts.append(at)
+        at += 4 + -(-cols * cap // 4) * 4
+    return starts, at
+
+
+def _fill(buf: np.ndarray, start: int, cap: int, work: np.ndarray) -> None:
+    buf[start] = work.shape[1]
+    body = buf[start + 4 : start + 4 + work.shape[0] * cap].reshape(work.shape[0], cap)
+    body[:, : work.shape[1]] = work
+
+
+def _views(dev: torch.Tensor, start: int, cols: int, cap: int, block_m: int = 0) -> _Launch:
+    return _Launch(dev[start + 4 : start + 4 + cols * cap].view(cols, cap),
+                   dev[start : start + 1], cap, block_m)  # fmt: skip
+
+
+def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
+    """The exact-size plan of one step: one upload (counts and work lists)."""
+    device = meta.qo_indptr.device
+    host = _host_plan(meta, group, hkv, cfg, device)
+    segments = [(6, w.shape[1]) for w in host.items.values()] + [(4, host.merge.shape[1])]
+    starts, total = _layout(segments)
+    buf = np.zeros(max(total, 4), dtype=np.int32)
+    for start, (cols, cap), work in zip(starts, segments, [*host.items.values(), host.merge],
+                                        strict=True):  # fmt: skip
+        _fill(buf, start, cap, work)
+    dev = upload(buf, device)
+    launches = [_views(dev, start, 6, cap, bm)
+                for start, (_, cap), bm in zip(starts, segments, host.items, strict=False)]
+    merge = _views(dev, starts[-1], 4, segments[-1][1]) if host.merge.shape[1] else None
+    return _Plan(launches, merge, host.part_rows)
 
 
 def _plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
+    if meta.fixed_plan is not None:
+        return meta.fixed_plan.plan
     # Cached on the metadata object: it is built once per step and never mutated.
     cache = meta.__dict__.setdefault("_triton_attention_plans", {})
     key = (group, hkv, cfg)
@@ -286,12 +360,86 @@ def _plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Pla
     return cache[key]
 
 
+class FixedPlan:
+    """A plan with fixed capacities, for CUDA graphs: its launches have fixed grids over fixed
+    buffers, and ``load`` writes each step's work lists and counts into them (one upload), so
+    a captured graph replays the attention of any step that fits.
+
+    block_ms: the query tiles of the rows it will hold (rows needing another tile do not fit);
+    item_capacity / merge_capacity / part_rows: most work items per tile, split query tokens,
+    partial rows. A meta using it carries it as ``PagedKVMeta.fixed_plan``.
+    """
+
+    def __init__(self, group: int, hkv: int, num_q_heads: int, head_dim: int, block_ms: list[int],
+                 item_capacity: int, merge_capacity: int, part_rows: int, device: torch.device,
+                 config: AttentionConfig = DEFAULT_CONFIG,
+                 share: FixedPlan | None = None) -> None:  # fmt: skip
+        """share: a plan (of the same heads) whose partial buffers are used if large enough:
+        plans replayed one after another never use them at once."""
+        self.group, self.hkv, self.device = group, hkv, device
+        self.config = _config_for(config, group)
+        self.segments = [(6, item_capacity)] * len(block_ms) + [(4, merge_capacity)]
+        self.starts, total = _layout(self.segments)
+        self.block_ms = sorted(block_ms)
+        self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
+        launches = [_views(self.buffer, st, 6, item_capacity, bm)
+                    for st, bm in zip(self.starts, self.block_ms, strict=False)]
+        merge = _views(self.buffer, self.starts[-1], 4, merge_capacity)
+        if share is not None and share.plan.part_rows >= part_rows:
+            opart, lpart = share.plan.opart, share.plan.lpart
+        else:
+            opart = torch.empty(part_rows, num_q_heads, head_dim, dtype=torch.float32,
+                                device=device)  # fmt: skip
+            lpart = torch.empty(part_rows, num_q_heads, dtype=torch.float32, device=device)
+        self.plan = _Plan(launches, merge, opart.shape[0], opart, lpart)
+
+    @classmethod
+    def for_tokens(cls, tokens: int, max_q: int, num_q_heads: int, hkv: int, head_dim: int,
+                   device: torch.device, config: AttentionConfig = DEFAULT_CONFIG,
+                   share: FixedPlan | None = None) -> FixedPlan:  # fmt: skip
+        """Capacities that hold any step of up to ``tokens`` query tokens in rows of at most
+        ``max_q`` queries under the automatic split. The split chooses chunks so that the
+        items' pages are at most ``spread`` = waves * SMs / hkv chunks: items <= spread + rows,
+        partial rows <= max_q * spread + tokens, merged tokens <= tokens."""
+        group = num_q_heads // hkv
+        cfg = _config_for(config, group)
+        spread = math.ceil(cfg.waves * _num_sms(device) / hkv)
+        return cls(group, hkv, num_q_heads, head_dim, block_ms_for(max_q, group, cfg),
+                   spread + tokens, tokens, tokens + max_q * spread, device, config, share)
+
+    def clear(self) -> None:
+        """No work items (the counts zeroed): launches do nothing."""
+        self.buffer.zero_()
+
+    def load(self, meta: PagedKVMeta) -> bool:
+        """Write the plan of ``meta`` (host copies needed) into the buffers; False if it does
+        not fit (then nothing is written)."""
+        host = _host_plan(meta, self.group, self.hkv, self.config, self.device)
+        if not set(host.items) <= set(self.block_ms) or host.part_rows > self.plan.part_rows:
+            return False
+        works = [host.items.get(bm, np.zeros((6, 0), np.int64)) for bm in self.block_ms]
+        works.append(host.merge)
+        if any(w.shape[1] > cap for w, (_, cap) in zip(works, self.segments, strict=True)):
+            return False
+        buf = np.zeros(self.buffer.shape[0], dtype=np.int32)
+        for start, (_, cap), work in zip(self.starts, self.segments, works, strict=True):
+            _fill(buf, start, cap, work)
+        upload(buf, self.device, self.buffer)
+        return True
+
+
+def block_ms_for(max_q: int, group: int, config: AttentionConfig = DEFAULT_CONFIG) -> list[int]:
+    """The query tiles of rows of 1..max_q queries."""
+    cfg = _config_for(config, group)
+    return sorted(set(_block_m(np.arange(1, max_q + 1), group, cfg).tolist()))
+
+
 def check_meta(meta: PagedKVMeta, device: torch.device) -> None:
-    """Host copies must exist (planning must not sync) and index tensors be int32 on device."""
-    if meta.qo_indptr_host is None or meta.kv_indptr_host is None:
+    """Host copies must exist (planning must not sync; a fixed plan needs none) and index
+    tensors be int32 on device."""
+    if meta.fixed_plan is None and (meta.qo_indptr_host is None or meta.kv_indptr_host is None
+                                    or meta.kv_last_page_len_host is None):  # fmt: skip
         raise ValueError("PagedKVMeta needs its *_host copies (build it with PagedKVMeta.build)")
-    if meta.kv_last_page_len_host is None:
-        raise ValueError("PagedKVMeta needs kv_last_page_len_host")
     for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
         t = getattr(meta, name)
         if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
@@ -339,37 +487,38 @@ def paged_attention(
     return_lse: bool = False,
     config: AttentionConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] over kv_cache [P, 2, ps, Hkv, D] -> out [T, Hq, D] (, lse [T, Hq] float32)."""
+    """q [T, Hq, D] over kv_cache [P, 2, ps, Hkv, D] -> out [T, Hq, D] (, lse [T, Hq] float32).
+
+    With ``meta.fixed_plan`` (CUDA graphs) q may have more rows than the plan's tokens: rows no
+    work item covers are left unwritten."""
     check_q(q, kv_cache)
     check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
     check_meta(meta, q.device)
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
-    if t != meta.qo_indptr_host[-1]:
+    if meta.fixed_plan is None and t != meta.qo_indptr_host[-1]:
         raise ValueError(f"q has {t} tokens but meta.qo_indptr ends at {meta.qo_indptr_host[-1]}")
     group = hq // hkv
-    if config.block_m_max < group:  # a tile holds at least one token's whole group
-        big = triton.next_power_of_2(group)
-        config = replace(config, block_m_min=big, block_m_max=big)
+    config = _config_for(config, group)
     out = torch.empty_like(q)
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device) if return_lse else out
     if t == 0:
         return (out, lse) if return_lse else out
     plan = _plan(meta, group, hkv, config)
-    if plan.num_part:
-        opart = torch.empty(plan.max_splits, plan.num_part, hq, d, dtype=torch.float32,
-                            device=q.device)  # fmt: skip
-        lpart = torch.empty(plan.max_splits, plan.num_part, hq, dtype=torch.float32,
-                            device=q.device)  # fmt: skip
-    else:
+    opart, lpart = plan.opart, plan.lpart
+    if opart is None and plan.part_rows:
+        opart = torch.empty(plan.part_rows, hq, d, dtype=torch.float32, device=q.device)
+        lpart = torch.empty(plan.part_rows, hq, dtype=torch.float32, device=q.device)
+    elif opart is None:
         opart = lpart = out  # never written
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    for work, num_items, block_m in plan.launches:
-        _attn_kernel[(num_items, hkv)](
-            q, kv_cache, out, lse, opart, lpart, work, num_items,
+    for launch in plan.launches:
+        block_m = launch.block_m
+        _attn_kernel[(launch.capacity, hkv)](
+            q, kv_cache, out, lse, opart, lpart, launch.work, launch.count, launch.capacity,
             meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3), out.stride(0), out.stride(1), hq, plan.num_part, scale * _LOG2E,
+            kv_cache.stride(3), out.stride(0), out.stride(1), hq, scale * _LOG2E,
             GROUP=group, HEAD_DIM=d, PAGE_SIZE=meta.page_size, BLOCK_M=block_m,
             BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
             DOT_PRECISION=precision, UPCAST=interpreting(),
@@ -378,8 +527,10 @@ def paged_attention(
     if plan.merge is not None:
         # few heads per program: with one long row the merge must still spread over the SMs
         head_block = min(triton.next_power_of_2(hq), max(1, 256 // d))
-        _merge_kernel[(plan.num_part, triton.cdiv(hq, head_block))](
-            out, lse, opart, lpart, plan.merge, plan.num_part, out.stride(0), out.stride(1), hq,
-            HEAD_DIM=d, HEAD_BLOCK=head_block, SPLIT_BLOCK=16, RETURN_LSE=return_lse, num_warps=4,
+        merge = plan.merge
+        _merge_kernel[(merge.capacity, triton.cdiv(hq, head_block))](
+            out, lse, opart, lpart, merge.work, merge.count, merge.capacity, out.stride(0),
+            out.stride(1), hq, HEAD_DIM=d, HEAD_BLOCK=head_block, SPLIT_BLOCK=16,
+            RETURN_LSE=return_lse, num_warps=4,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -10,6 +10,12 @@ import torch
 # Keep CPU tests small and repeatable on 2 cores.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without a GPU the Triton kernels run in Triton's interpreter. The variable must be set before
+# any kernel module is imported (``triton.jit`` reads it when it decorates a function): this
+# conftest is imported before pytest collects any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

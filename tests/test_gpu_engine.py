@@ -2,7 +2,8 @@
 
 fp32: every mode's greedy output equals `ar` exactly. bf16: the token match rate vs `ar` is
 measured and printed (ties in bf16 logits can flip a greedy choice; see docs/benchmarks.md).
-The piecewise CUDA graphs (the default) give the same fp32 tokens as the eager forward.
+The CUDA graphs (the default: whole-step graphs for decode steps, piecewise ones otherwise) give
+the same fp32 tokens as the eager forward.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ def _run(mode, dtype, **kw):
     assert (worker.graphs is not None) == cfg.cuda_graphs
     prompts = random_prompts(6, [1, 300, 1200], vocab=49152, seed=5)
     params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(prompts)
-    return run_staggered(engine, prompts, params, arrive_every=2)
+    out = run_staggered(engine, prompts, params, arrive_every=2)
+    _run.last_worker = worker
+    return out
 
 
-@pytest.mark.parametrize("mode", ["ar", "aspire"])
+@pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire"])
 def test_cuda_graphs_equal_eager(mode):
-    assert _run(mode, "float32") == _run(mode, "float32", cuda_graphs=False)
+    # piecewise graphs for steps with prefill rows, whole-step graphs for decode steps
+    graphed = _run(mode, "float32")
+    whole_steps = _run.last_worker.step_graphs.steps
+    assert graphed == _run(mode, "float32", cuda_graphs=False)
+    assert whole_steps > 20, "decode steps did not replay the whole-step graphs"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

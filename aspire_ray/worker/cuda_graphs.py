@@ -146,20 +146,26 @@ class PiecewiseGraphs:
             self.inputs[n][2].fill_(-1)  # the warm-up run and the capture write no KV
             pieces = [lambda i=i: self._piece(i, n, kv_caches)
                       for i in range(len(self.model.layers) + 1)]  # fmt: skip
-            self._sync()
-            # once eagerly, on the capture stream: JIT compiles, the stream's cuBLAS workspace
+            self.run_captures(pieces)  # eager once: JIT compiles, the stream's cuBLAS workspace
+            self.graphs[n], self.hidden[n] = self.run_captures(pieces, capture=True)
+
+    def run_captures(self, fns: list, capture: bool = False):
+        """Run ``fns`` in order on the capture stream: eagerly (capture=False), or each captured
+        into a new graph -> (graphs, the last one's output)."""
+        self._sync()
+        graphs, out = [], None
+        if not capture:
             side = self._stream is not None
             with torch.cuda.stream(self._stream) if side else contextlib.nullcontext():
-                for fn in pieces:
+                for fn in fns:
                     fn()
-            self._sync()
-            graphs = []
-            for fn in pieces:
+        else:
+            for fn in fns:
                 g = self._new_graph()
                 out = g.capture(fn)
                 graphs.append(g)
-            self._sync()
-        self.graphs[n], self.hidden[n] = graphs, out
+        self._sync()
+        return graphs, out
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -29,6 +29,7 @@ from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
 from .page_selector import make_selector
 from .step_batch import StepBatch
+from .step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 MAX_GRAPH_TOKENS = 1024  # steps of more tokens (long prefill chunks) run the eager forward
@@ -93,6 +94,7 @@ class Worker:
         self.scores = PageScoreTable(self.device) \
             if self.selector is not None and self.selector.uses_scores else None  # fmt: skip
         self.graphs = self._graphs()
+        self.step_graphs = self._step_graphs()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -105,6 +107,22 @@ class Worker:
             return None
         max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
         return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device)
+
+    @property
+    def max_q(self) -> int:
+        """Most queries of a decode row: a verification of the longest draft, plus one."""
+        spec = self.cfg.spec
+        return max(spec.d_max, spec.gamma, spec.fsm_max) + 1 if spec.speculative else 1
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """Whole-step graphs of decode steps beside the piecewise ones; a page-scoring policy's
+        refresh layer stays eager between two graphs."""
+        if self.graphs is None:
+            return None
+        scoring = self.selector is not None and self.selector.uses_scores
+        max_tokens = self.cfg.scheduler.max_num_seqs * self.max_q
+        return StepGraphs(self.graphs, self.refresh_layer if scoring else None, self.max_q,
+                          max_tokens, self.backend.config)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -175,10 +193,16 @@ class Worker:
                                                  "total": total, "refresh": 0.0})
         num_tokens = sum(row.num_tokens for row in plan.rows)
         bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
+        # captures come first: they overwrite the bucket's inputs
+        whole = bucket is not None and self.step_graphs is not None \
+            and all(row.kind != RowKind.PREFILL and row.num_tokens <= self.max_q
+                    for row in plan.rows) and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
         batch = StepBatch(self, plan.rows, graph_inputs)
         t1 = time.perf_counter()
-        if bucket:
+        if whole and self.step_graphs.load(bucket, batch.attention):
+            hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
+        elif bucket:
             hidden = self.graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attention,
@@ -212,9 +236,10 @@ class Worker:
         if self.graphs is not None:
             try:
                 self.graphs.capture_all(self.kv_caches)
+                self.step_graphs.capture_all(self.kv_caches)
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e)
-                self.graphs = None
+                self.graphs = self.step_graphs = None
         spec, ps = self.cfg.spec, self.page_size
         max_d = max(spec.d_max, spec.gamma, spec.fsm_max) if spec.speculative else 0
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them

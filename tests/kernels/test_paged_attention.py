@@ -11,7 +11,9 @@ from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.paged_attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
+    FixedPlan,
     _plan,
+    block_ms_for,
     paged_attention,
 )
 from aspire_ray.kernels.reference import paged_attention_ref
@@ -94,15 +96,66 @@ def test_plan_splits_long_rows_only():
         [1, 1, 100], [list(range(512)), [600], list(range(700, 709))], [8192, 5, 140], 16
     )
     plan = _plan(meta, group=4, hkv=8, cfg=AttentionConfig())
-    assert plan.max_splits >= 2
-    assert plan.num_part == 1  # only the long row's single query goes through the merge
-    work = torch.cat([w.cpu() for w, _, _ in plan.launches], dim=1)
+    work = torch.cat([launch.work.cpu() for launch in plan.launches], dim=1)
+    splits = int((work[4] >= 0).sum())
+    assert splits >= 2
+    assert plan.part_rows == splits  # one partial row per split of the long row's one query
+    assert int(plan.merge.count) == 1  # only that query goes through the merge
     split_rows = set(work[0][work[4] >= 0].tolist())
     assert split_rows == {0}
     mine = work[:, work[0] == 0]
     chunks = sorted(zip(mine[2].tolist(), mine[3].tolist(), strict=True))
     assert chunks[0][0] == 0 and chunks[-1][1] == 8192
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def _fixed_meta(plan: FixedPlan, rows: int, nnz: int, page_size: int) -> PagedKVMeta:
+    """Fixed buffers a CUDA graph would capture: metas of any step are copied into them."""
+    z = lambda n: torch.zeros(n, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return PagedKVMeta(z(rows + 1), z(rows + 1), z(nnz), z(rows), page_size, fixed_plan=plan)
+
+
+def _load(fixed: PagedKVMeta, meta: PagedKVMeta) -> None:
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        src = getattr(meta, name)
+        getattr(fixed, name)[: src.shape[0]].copy_(src)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fixed_plan_replays_any_step_that_fits(dtype):
+    # One FixedPlan and one set of buffers, loaded with two different steps in turn (what a
+    # CUDA graph replays): decode and verify rows, split and unsplit; q padded past the tokens.
+    heads = (6, 2, 64)
+    cfg = AttentionConfig(block_n=16, kv_chunk_pages=2)
+    plan = FixedPlan(group=3, hkv=2, num_q_heads=6, head_dim=64, block_ms=block_ms_for(6, 3, cfg),
+                     item_capacity=64, merge_capacity=16, part_rows=128, device=torch.device(DEVICE),
+                     config=cfg)  # fmt: skip
+    fixed = _fixed_meta(plan, rows=8, nnz=64, page_size=16)
+    for q_lens, kv_lens, seed in (([1, 6, 1], [37, 70, 131], 0), ([5, 1], [200, 17], 1)):
+        q, kv, meta = make_case(q_lens, kv_lens, heads, dtype, seed=seed)
+        assert plan.load(meta)
+        _load(fixed, meta)
+        padded = torch.cat([q, torch.randn(16 - q.shape[0], *q.shape[1:], device=DEVICE,
+                                           dtype=dtype)])  # fmt: skip
+        out = paged_attention(padded, kv, fixed, q.shape[-1] ** -0.5, config=cfg)
+        ref = paged_attention_ref(q, kv, meta, q.shape[-1] ** -0.5)
+        atol, rtol = TOLERANCES[dtype]
+        torch.testing.assert_close(out[: q.shape[0]].float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def test_fixed_plan_refuses_what_does_not_fit():
+    cfg = AttentionConfig(kv_chunk_pages=1)
+    plan = FixedPlan(group=1, hkv=2, num_q_heads=2, head_dim=64, block_ms=block_ms_for(1, 1, cfg),
+                     item_capacity=4, merge_capacity=4, part_rows=8, device=torch.device(DEVICE),
+                     config=cfg)  # fmt: skip
+    _, _, small = make_case([1], [40], (2, 2, 64), torch.float32)  # 3 pages: 3 splits
+    assert plan.load(small)
+    _, _, long_row = make_case([1], [100], (2, 2, 64), torch.float32)  # 7 splits > capacity
+    assert not plan.load(long_row)
+    _, _, verify = make_case([2], [40], (2, 2, 64), torch.float32)  # another query tile
+    assert block_ms_for(2, 1, cfg) == [16] and plan.load(verify)
+    _, _, prefill = make_case([40], [40], (2, 2, 64), torch.float32)  # BLOCK_M 64: not held
+    assert not plan.load(prefill)
 
 
 def test_strided_q():
