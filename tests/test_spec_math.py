@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aspire_ray.spec.acceptance import optimal_gamma, update_alpha
 from aspire_ray.spec.cost_model import CostModel
@@ -63,3 +65,12 @@ def test_draft_verify_ratio_grows_with_sparse_budget():
     small = model.draft_verify_ratio(batch=16, sparse_tokens=512, drafts=4, context_tokens=8192)
     large = model.draft_verify_ratio(batch=16, sparse_tokens=4096, drafts=4, context_tokens=8192)
     assert 0 < small < large < 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 64))
+def test_optimal_gamma_early_stop_equals_full_scan(alpha, c, d_max):
+    from aspire_ray.spec.acceptance import expected_speedup
+
+    values = [expected_speedup(alpha, c, g) for g in range(d_max + 1)]
+    assert optimal_gamma(alpha, c, d_max) == values.index(max(values))

@@ -19,10 +19,16 @@ def expected_speedup(alpha: float, c: float, g: int) -> float:
 
 
 def optimal_gamma(alpha: float, c: float, d_max: int) -> int:
-    """argmax over g in 0..d_max of expected_speedup (first maximum on ties)."""
+    """argmax over g in 0..d_max of expected_speedup (first maximum on ties).
+
+    The speedup is a concave increasing function of g over a positive affine one, hence
+    quasi-concave: after its first strict decrease it never again exceeds the best so far, so
+    the scan stops there (this runs for every decoding request every step)."""
     best_g, best = 0, expected_speedup(alpha, c, 0)
     for g in range(1, d_max + 1):
         value = expected_speedup(alpha, c, g)
         if value > best:
             best_g, best = g, value
+        elif value < best:
+            break
     return best_g
