@@ -53,8 +53,22 @@ def _progress(total: int, desc: str):
         return None
 
 
-def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str) -> dict:
-    """Prefill everything, then time the decode phase until every request finishes."""
+def _committed(engine, finished: dict) -> int:
+    return sum(len(r.output_token_ids) for r in engine.requests.values()) + \
+        sum(len(o.token_ids) for o in finished.values())  # fmt: skip
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str,
+               window: str = "steady") -> dict:  # fmt: skip
+    """Prefill everything, then time the decode phase.
+
+    window "steady": the clock stops when the first request finishes, so every row of the
+    batch decodes for the whole window (a serving engine refills its batch; a batch that
+    drains runs its last steps for a few rows at nearly the cost of a full step, and
+    speculative requests finish at different times while `ar` requests finish together).
+    "drain": the clock stops when the last request finishes. Either way every request runs to
+    the end (acceptance and greedy-match statistics cover whole outputs).
+    """
     engine = llm.engine
     ids = [f"{desc}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
@@ -67,25 +81,28 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc:
                 finished[out.request_id] = out
     engine.scheduler.pause_decoding = False
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
-    committed_before = sum(len(r.output_token_ids) for r in engine.requests.values())
-    committed_before += sum(len(o.token_ids) for o in finished.values())
+    committed_before = _committed(engine, finished)
+    done_before = len(finished)
     bar = _progress(len(prompts) * params.max_tokens, desc)
     t0 = time.perf_counter()
+    elapsed = None
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        if elapsed is None and window == "steady" and len(finished) > done_before:
+            elapsed = time.perf_counter() - t0
+            committed, after = _committed(engine, finished), engine.stats()
         if bar is not None:
-            bar.n = sum(len(o.token_ids) for o in finished.values()) + sum(
-                len(r.output_token_ids) for r in engine.requests.values())
+            bar.n = _committed(engine, finished)
             bar.refresh()
-    elapsed = time.perf_counter() - t0
+    if elapsed is None:
+        elapsed = time.perf_counter() - t0
+        committed, after = _committed(engine, finished), engine.stats()
     if bar is not None:
         bar.close()
-    after = engine.stats()
     outs = [finished[r] for r in ids]
-    committed = sum(len(o.token_ids) for o in outs) - committed_before
-    return {"outs": outs, "seconds": elapsed, "tokens": committed,
+    return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
             "breakdown": _diff(after, before)}
 
 
@@ -149,6 +166,8 @@ def main() -> None:
     p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
                    help="random weights of this architecture, random-token prompts")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--window", choices=("steady", "drain"), default="steady",
+                   help="stop the clock when the first (steady) or last (drain) request finishes")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -186,7 +205,8 @@ def main() -> None:
             warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
             decode_run(llm, prompts[: min(4, len(prompts))], warm, f"warmup-{mode}")
             for rep in range(args.repeats):
-                per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}"))
+                per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
+                                                 args.window))
             info = llm.engine.info
             llm.shutdown()
             del llm
