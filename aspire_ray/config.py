@@ -119,7 +119,8 @@ class EngineConfig:
     # of this deployment or runs a short sweep (spec mode "aspire" only: the one that reads the
     # cost model); "force" always sweeps; "off" keeps the prior until the online refits.
     calibrate: str = "auto"
-    # Piecewise CUDA graphs for the dense layers (cuda, tp 1, triton backend); False: eager.
+    # CUDA graphs (cuda, tp 1, triton backend): one graph per decode step, piecewise graphs of
+    # the dense layers for steps with prefill rows; False: eager.
     cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import PagedKVMeta
 from .host import ragged_arange, upload
+from .metadata import PagedKVMeta
 from .paged_attention import check_cache, check_meta, check_q, interpreting, mma
 
 _LOG2E = 1.4426950408889634

@@ -15,6 +15,8 @@ cached on it, so every layer of a step reuses it:
 - Split-KV (flash-decoding): a row's page list is cut into chunks of about equal size so that
   the launch has ~``waves`` programs per SM even when few long rows are present. Each chunk
   writes a normalised partial output and its log-sum-exp; a merge kernel combines them.
+- Launch grids cover a plan's capacity and programs read the item count on the device, so a
+  ``FixedPlan`` (fixed capacities, reloaded each step) lets a CUDA graph capture attention.
 """
 
 from __future__ import annotations
@@ -339,8 +341,8 @@ def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -
     segments = [(6, w.shape[1]) for w in host.items.values()] + [(4, host.merge.shape[1])]
     starts, total = _layout(segments)
     buf = np.zeros(max(total, 4), dtype=np.int32)
-    for start, (cols, cap), work in zip(starts, segments, [*host.items.values(), host.merge],
-                                        strict=True):  # fmt: skip
+    for start, (_, cap), work in zip(starts, segments, [*host.items.values(), host.merge],
+                                     strict=True):  # fmt: skip
         _fill(buf, start, cap, work)
     dev = upload(buf, device)
     launches = [_views(dev, start, 6, cap, bm)

@@ -46,7 +46,7 @@ def plot_speedup(report: dict, out: Path) -> Path:
     ax.set_ylabel("decode tokens/s over ar")
     ax.set_title(f"Decode speedup per mode (batch {rows[0].get('batch')}, "
                  f"{rows[0].get('device')})")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=len(modes), loc="upper center", bbox_to_anchor=(0.5, -0.15))
     return _save(fig, out / "speedup.png")
 
 

@@ -1,8 +1,9 @@
 """One step's flattened inputs and attention plan (DESIGN.md §1.4: built once, used by every layer).
 
 Built on the host with numpy (no per-token Python loops) and sent to the device in two
-asynchronous copies from pooled pinned buffers (``kernels.host.upload``): the int64 token inputs (ids, positions, KV slots; padded to the CUDA-graph
-bucket when graphs run) and one int32 buffer holding every page list and index of the step.
+asynchronous copies from pooled pinned buffers (``kernels.host.upload``): the int64 token
+inputs (ids, positions, KV slots; padded to the CUDA-graph bucket when graphs run) and one
+int32 buffer holding every page list and index of the step.
 Draft rows' sparse lists are planned here (their lengths depend only on page counts); their
 top-k middles are chosen on the device (``draft_pages``) before the first layer and again after
 the refresh layer has scored pages. Nothing here waits for the device.

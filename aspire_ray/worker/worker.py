@@ -2,9 +2,10 @@
 
 One forward holds every row of the step (DESIGN.md §1.4): prefill chunks and verify rows over
 all their pages, draft rows over their sparse pages; the linear layers run once over all
-tokens (``step_batch.py`` flattens the rows and plans attention). On a GPU the dense parts of
-the forward replay piecewise CUDA graphs (``cuda_graphs.py``) and every kernel variant is
-compiled by ``warmup`` before the first real step. Per-request state kept here: block table,
+tokens (``step_batch.py`` flattens the rows and plans attention). On a GPU a decode step
+replays one CUDA graph (``step_graphs.py``), other steps the piecewise graphs of the dense parts
+(``cuda_graphs.py``); every graph and kernel variant is made by ``warmup`` before the first
+real step. Per-request state kept here: block table,
 refresh-layer page scores (a row of a device table) and the draft distributions q of pending
 drafts (sampling only).
 """
@@ -194,9 +195,10 @@ class Worker:
         num_tokens = sum(row.num_tokens for row in plan.rows)
         bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
         # captures come first: they overwrite the bucket's inputs
-        whole = bucket is not None and self.step_graphs is not None \
-            and all(row.kind != RowKind.PREFILL and row.num_tokens <= self.max_q
-                    for row in plan.rows) and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
+        decode = all(row.kind != RowKind.PREFILL and row.num_tokens <= self.max_q
+                     for row in plan.rows)  # fmt: skip
+        whole = bucket is not None and self.step_graphs is not None and decode \
+            and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
         batch = StepBatch(self, plan.rows, graph_inputs)
         t1 = time.perf_counter()

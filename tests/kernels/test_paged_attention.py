@@ -127,9 +127,9 @@ def test_fixed_plan_replays_any_step_that_fits(dtype):
     # CUDA graph replays): decode and verify rows, split and unsplit; q padded past the tokens.
     heads = (6, 2, 64)
     cfg = AttentionConfig(block_n=16, kv_chunk_pages=2)
-    plan = FixedPlan(group=3, hkv=2, num_q_heads=6, head_dim=64, block_ms=block_ms_for(6, 3, cfg),
-                     item_capacity=64, merge_capacity=16, part_rows=128, device=torch.device(DEVICE),
-                     config=cfg)  # fmt: skip
+    plan = FixedPlan(group=3, hkv=2, num_q_heads=6, head_dim=64,
+                     block_ms=block_ms_for(6, 3, cfg), item_capacity=64, merge_capacity=16,
+                     part_rows=128, device=torch.device(DEVICE), config=cfg)  # fmt: skip
     fixed = _fixed_meta(plan, rows=8, nnz=64, page_size=16)
     for q_lens, kv_lens, seed in (([1, 6, 1], [37, 70, 131], 0), ([5, 1], [200, 17], 1)):
         q, kv, meta = make_case(q_lens, kv_lens, heads, dtype, seed=seed)
