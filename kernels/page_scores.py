@@ -26,20 +26,17 @@ _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per program
 
 
-# vary every step (or bucket): no new variants mid-serving
-@triton.jit(do_not_specialize=["work_ptr", "count_ptr", "capacity"])
+@triton.jit(do_not_specialize=["num_items"])  # varies every step: no new variants mid-serving
 def _token_max_probs_kernel(
-    q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, count_ptr, capacity, kv_indptr_ptr, kv_indices_ptr,
+    q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, num_items, kv_indptr_ptr, kv_indices_ptr,
     last_len_ptr, stride_qr, stride_qh, stride_lr, stride_kp, stride_ks, stride_kh, scale_log2,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     wid = tl.program_id(0)
-    if wid >= tl.load(count_ptr):  # the grid covers the capacity (CUDA graphs)
-        return
     row = tl.load(work_ptr + wid)
-    start = tl.load(work_ptr + capacity + wid)
+    start = tl.load(work_ptr + num_items + wid)
     page_lo = tl.load(kv_indptr_ptr + row)
     n_slots = (tl.load(kv_indptr_ptr + row + 1) - page_lo) * PAGE_SIZE
     kv_len = n_slots - PAGE_SIZE + tl.load(last_len_ptr + row)
@@ -66,49 +63,16 @@ def _token_max_probs_kernel(
     tl.store(out_ptr + page_lo.to(tl.int64) * PAGE_SIZE + n, best, mask=n < n_slots)
 
 
-def _host_work(meta: PagedKVMeta) -> np.ndarray:
-    """int64 [2, W]: (row, first token) of each program."""
-    slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
-    per_row = -(-slots // BLOCK_N)
-    return np.stack([np.repeat(np.arange(len(per_row)), per_row), ragged_arange(per_row) * BLOCK_N])
-
-
-def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(work int32 [2, capacity], count int32 [1], capacity) on the device; cached on the
-    metadata object, or the fixed plan's buffers."""
-    if meta.fixed_plan is not None:
-        return meta.fixed_plan.work, meta.fixed_plan.count, meta.fixed_plan.capacity
+def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, int]:
+    """int32 [2, W] (row, first token) per program; cached on the metadata object."""
     cache = meta.__dict__.setdefault("_triton_score_work", {})
     if BLOCK_N not in cache:
-        work = _host_work(meta)
-        w = work.shape[1]
-        buf = np.concatenate([[w, 0, 0, 0], work.reshape(-1)]).astype(np.int32)
-        dev = upload(buf, meta.kv_indptr.device)
-        cache[BLOCK_N] = (dev[4:].view(2, w), dev[:1], w)
+        slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
+        per_row = -(-slots // BLOCK_N)
+        rows = np.repeat(np.arange(len(per_row)), per_row)
+        work = np.stack([rows, ragged_arange(per_row) * BLOCK_N]).astype(np.int32)
+        cache[BLOCK_N] = (upload(work, meta.kv_indptr.device), work.shape[1])
     return cache[BLOCK_N]
-
-
-class FixedScoreWork:
-    """The scoring kernel's work list at a fixed capacity (CUDA graphs): ``load`` writes a
-    step's list and count; a meta carrying it as ``fixed_plan`` launches the fixed grid."""
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.capacity, self.device = capacity, device
-        self.buffer = torch.zeros(4 + 2 * capacity, dtype=torch.int32, device=device)
-        self.count, self.work = self.buffer[:1], self.buffer[4:].view(2, capacity)
-
-    def load(self, meta: PagedKVMeta) -> bool:
-        work = _host_work(meta)
-        if work.shape[1] > self.capacity:
-            return False
-        buf = np.zeros(self.buffer.shape[0], dtype=np.int32)
-        buf[0] = work.shape[1]
-        buf[4:].reshape(2, self.capacity)[:, : work.shape[1]] = work
-        upload(buf, self.device, self.buffer)
-        return True
-
-    def clear(self) -> None:
-        self.buffer.zero_()
 
 
 def token_max_probs(
@@ -132,9 +96,9 @@ def token_max_probs(
     out = torch.empty(meta.kv_indices.shape[0], ps, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    work, count, capacity = _work(meta)
-    _token_max_probs_kernel[(capacity,)](
-        q, lse, kv_cache, out, work, count, capacity, meta.kv_indptr, meta.kv_indices,
+    work, num_items = _work(meta)
+    _token_max_probs_kernel[(num_items,)](
+        q, lse, kv_cache, out, work, num_items, meta.kv_indptr, meta.kv_indices,
         meta.kv_last_page_len, q.stride(0), q.stride(1), lse.stride(0), kv_cache.stride(0),
         kv_cache.stride(2), kv_cache.stride(3), scale * _LOG2E,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),

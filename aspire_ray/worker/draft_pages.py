@@ -46,17 +46,6 @@ class PageScoreTable:
         grown[: self.scores.shape[0], : self.scores.shape[1]] = self.scores
         self.scores = grown
 
-    def reserve(self, slots: int, width: int) -> int:
-        """Grow to at least ``slots`` free slots and ``width`` pages now (CUDA graphs capture
-        the table's address, so it must not grow later); returns a slot kept as scratch space
-        for padding."""
-        have = self.scores.shape[0]
-        if len(self.free) < slots + 1 or self.width < width:
-            grown = have + max(0, slots + 1 - len(self.free))
-            self._resize(grown, max(width, self.width))
-            self.free = list(range(grown - 1, have - 1, -1)) + self.free
-        return self.free.pop(0)
-
     @property
     def width(self) -> int:
         return self.scores.shape[1]

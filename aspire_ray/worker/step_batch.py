@@ -154,9 +154,8 @@ class StepBatch:
                 h_info, first, max_cand, h_pre, h_post = top
                 self._template = meta_pre.kv_indices
                 self._top = (tensors[h_info].view(5, -1), first, max_cand)
-                self._has_pre = tensors[h_pre].bool()
                 self._has_post = None if h_post is None else tensors[h_post].bool()
-                meta_pre.kv_indices = self._choose(self._template, self._has_pre)
+                meta_pre.kv_indices = self._choose(self._template, tensors[h_pre].bool())
         queries = None
         if scoring is not None:
             h_idx, q_lists, h_dest, h_slots, h_count, _ = scoring

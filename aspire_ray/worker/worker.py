@@ -116,17 +116,14 @@ class Worker:
         return max(spec.d_max, spec.gamma, spec.fsm_max) + 1 if spec.speculative else 1
 
     def _step_graphs(self) -> StepGraphs | None:
-        """Whole-step graphs of decode steps beside the piecewise ones."""
+        """Whole-step graphs of decode steps beside the piecewise ones; a page-scoring policy's
+        refresh layer stays eager between two graphs."""
         if self.graphs is None:
             return None
-        seqs = self.cfg.scheduler.max_num_seqs
-        if self.scores is None:
-            return StepGraphs(self.graphs, None, self.max_q, seqs * self.max_q, self.backend.config)
-        max_pages = -(-self.arch.max_position_embeddings // self.page_size) + 1
-        # + 2: warm-up requests; the first top-k candidate follows the sink page
-        return StepGraphs(self.graphs, self.refresh_layer, self.max_q, seqs * self.max_q,
-                          self.backend.config, self.scores, int(self.cfg.spec.keep_sink_page),
-                          max_pages, seqs + 2)  # fmt: skip
+        scoring = self.selector is not None and self.selector.uses_scores
+        max_tokens = self.cfg.scheduler.max_num_seqs * self.max_q
+        return StepGraphs(self.graphs, self.refresh_layer if scoring else None, self.max_q,
+                          max_tokens, self.backend.config)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -205,8 +202,8 @@ class Worker:
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
         batch = StepBatch(self, plan.rows, graph_inputs)
         t1 = time.perf_counter()
-        if whole and self.step_graphs.load(bucket, batch):
-            hidden = self.step_graphs.run(bucket, num_tokens)
+        if whole and self.step_graphs.load(bucket, batch.attention):
+            hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
         elif bucket:
             hidden = self.graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
         else:
