@@ -329,6 +329,15 @@ def _fill(buf: np.ndarray, start: int, cap: int, work: np.ndarray) -> None:
     body[:, : work.shape[1]] = work
 
 
+def _pack(starts: list[int], segments: list[tuple[int, int]], works: list[np.ndarray],
+          total: int) -> np.ndarray:
+    """The int32 buffer of ``_layout``'s segments holding ``works`` (and their counts)."""
+    buf = np.zeros(max(total, 4), dtype=np.int32)
+    for start, (_, cap), work in zip(starts, segments, works, strict=True):
+        _fill(buf, start, cap, work)
+    return buf
+
+
 def _views(dev: torch.Tensor, start: int, cols: int, cap: int, block_m: int = 0) -> _Launch:
     return _Launch(dev[start + 4 : start + 4 + cols * cap].view(cols, cap),
                    dev[start : start + 1], cap, block_m)  # fmt: skip
@@ -340,11 +349,7 @@ def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -
     host = _host_plan(meta, group, hkv, cfg, device)
     segments = [(6, w.shape[1]) for w in host.items.values()] + [(4, host.merge.shape[1])]
     starts, total = _layout(segments)
-    buf = np.zeros(max(total, 4), dtype=np.int32)
-    for start, (_, cap), work in zip(starts, segments, [*host.items.values(), host.merge],
-                                     strict=True):  # fmt: skip
-        _fill(buf, start, cap, work)
-    dev = upload(buf, device)
+    dev = upload(_pack(starts, segments, [*host.items.values(), host.merge], total), device)
     launches = [_views(dev, start, 6, cap, bm)
                 for start, (_, cap), bm in zip(starts, segments, host.items, strict=False)]
     merge = _views(dev, starts[-1], 4, segments[-1][1]) if host.merge.shape[1] else None
@@ -423,10 +428,8 @@ class FixedPlan:
         works.append(host.merge)
         if any(w.shape[1] > cap for w, (_, cap) in zip(works, self.segments, strict=True)):
             return False
-        buf = np.zeros(self.buffer.shape[0], dtype=np.int32)
-        for start, (_, cap), work in zip(self.starts, self.segments, works, strict=True):
-            _fill(buf, start, cap, work)
-        upload(buf, self.device, self.buffer)
+        upload(_pack(self.starts, self.segments, works, self.buffer.shape[0]), self.device,
+               self.buffer)
         return True
 
 

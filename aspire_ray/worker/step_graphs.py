@@ -71,14 +71,14 @@ class StepGraphs:
         for n in reversed(self.buckets):
             self.ensure(n, kv_caches)
 
-    def _fixed(self, n: int) -> tuple[FixedPlan, PagedKVMeta]:
+    def _fixed(self, n: int, page_size: int) -> tuple[FixedPlan, PagedKVMeta]:
         if n not in self.plans:
             hq, hkv, d = self.heads
             largest = self.plans.get(max(self.plans, default=0))
             self.plans[n] = FixedPlan.for_tokens(n, self.max_q, hq, hkv, d, self.pieces.device,
                                                  self.config, share=largest)  # fmt: skip
         z = lambda k: torch.zeros(k, dtype=torch.int32, device=self.pieces.device)  # noqa: E731
-        meta = PagedKVMeta(z(n + 1), z(n + 1), self._indices, z(n), self._page_size,
+        meta = PagedKVMeta(z(n + 1), z(n + 1), self._indices, z(n), page_size,
                            fixed_plan=self.plans[n])  # fmt: skip
         return self.plans[n], meta
 
@@ -107,8 +107,7 @@ class StepGraphs:
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces
-        self._page_size = kv_caches[0].shape[2]
-        plan, meta = self._fixed(n)
+        plan, meta = self._fixed(n, page_size=kv_caches[0].shape[2])
         num_layers = len(self.model.layers)
         spans = [(0, num_layers)] if self.split is None else \
             [(0, self.split), (self.split + 1, num_layers)]  # fmt: skip

@@ -243,7 +243,7 @@ class Worker:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e)
                 self.graphs = self.step_graphs = None
         spec, ps = self.cfg.spec, self.page_size
-        max_d = max(spec.d_max, spec.gamma, spec.fsm_max) if spec.speculative else 0
+        max_d = self.max_q - 1
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them
         ctx = min(64 * ps + 1, (self.num_pages // 2) * ps - max_d - 1)
         if ctx < 1:
