@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+from bench_tp import SHAPES
 from workloads import long_context_prompts, short_prompts
 
 from aspire_ray import LLM, SamplingParams
@@ -34,6 +35,13 @@ DUMMY_SHAPES = {
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     tie_word_embeddings=True, rms_norm_eps=1e-5),
+    # DESIGN.md §5: the real 32k model's shapes (untied head, q/k/v bias from the qwen2 family)
+    "qwen2.5-coder-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                               num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                               max_position_embeddings=32768, rope_theta=1000000.0,
+                               tie_word_embeddings=False, rms_norm_eps=1e-6),
+    **SHAPES,  # the paper shapes (qwen3-8b, qwen3-1.7b, llama-8b) and tiny-qwen3 for CPU runs
 }
 
 
@@ -58,6 +66,23 @@ def _committed(engine, finished: dict) -> int:
         sum(len(o.token_ids) for o in finished.values())  # fmt: skip
 
 
+def prefill_batch(engine, prompts: list[list[int]], params: SamplingParams,
+                  desc: str) -> tuple[list[str], dict]:  # fmt: skip
+    """Add the requests and run their prompts only, so that every one of them starts decoding
+    in the same step; returns their ids and the outputs of any that already finished."""
+    ids = [f"{desc}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    finished = {}
+    engine.scheduler.pause_decoding = True
+    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    engine.scheduler.pause_decoding = False
+    return ids, finished
+
+
 def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str,
                window: str = "steady") -> dict:  # fmt: skip
     """Prefill everything, then time the decode phase.
@@ -70,16 +95,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc:
     the end (acceptance and greedy-match statistics cover whole outputs).
     """
     engine = llm.engine
-    ids = [f"{desc}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    finished = {}
-    engine.scheduler.pause_decoding = True  # every request starts decoding in the same step
-    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    engine.scheduler.pause_decoding = False
+    ids, finished = prefill_batch(engine, prompts, params, desc)
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     committed_before = _committed(engine, finished)
     done_before = len(finished)

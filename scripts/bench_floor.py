@@ -1,0 +1,311 @@
+"""Each decode step kind against its memory floor, from one run on one device.
+
+Per mode and step kind (ar, draft, verify, mixed draft+verify): the median wall time of
+``engine.step()`` and the worker's prepare / forward / refresh / sample split; the bytes the step
+must read (every weight once, the embedding table only for its gathered rows, and the KV pages
+each row lists in each layer: a draft row its sparse list, all of its pages in the refresh layer
+of a scoring policy; other rows all their pages); the copy bandwidth measured in this run; floor
+= bytes / bandwidth, ratio = measured / floor; and the GPU's idle time per step from a
+torch.profiler trace (wall time minus the union of its kernel and copy intervals).
+
+    python scripts/bench_floor.py --dummy-shapes qwen2.5-coder-0.5b --context 32000 \
+        --batch 64 --modes ar,magicdec,aspire_fixed,aspire --out floor.json --plot floor.png
+
+Run it from anywhere; it imports its siblings in scripts/ (bench_decode, workloads, floor_report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import time
+
+import torch
+from bench_decode import DUMMY_SHAPES, _empty_cache, prefill_batch, random_prompts
+from floor_report import (
+    SPLIT,
+    Row,
+    idle_per_step,
+    kv_page_reads,
+    median,
+    page_bytes,
+    step_kind,
+    summarize,
+    table,
+    weight_bytes,
+)
+from workloads import long_context_prompts
+
+from aspire_ray import LLM, SamplingParams
+from aspire_ray.model.arch import ModelArch
+from aspire_ray.worker.model_loading import hf_weight_shapes, load_hf_config
+
+STEP_LABEL = "bench_floor.step"  # the profiler's annotation around each engine step
+
+
+class Recorder:
+    """The engine's executor, wrapped: keeps each step's rows and the worker's timings (the
+    engine itself keeps only sums per step kind, and no row lengths)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.steps: list[tuple[list[Row], dict[str, float]]] = []
+
+    def execute(self, plan):
+        out = self.inner.execute(plan)
+        rows = [
+            Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts) for r in plan.rows
+        ]
+        self.steps.append((rows, dict(out.timings)))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
+    """Device-to-device copy of nbytes, median of repeats; counts read + write (2 * nbytes)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(repeats + 2):  # two warm-ups
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    t = median(times[2:])
+    return {
+        "copy_bytes": nbytes,
+        "repeats": repeats,
+        "seconds_median": t,
+        "bytes_per_s": 2 * nbytes / t,
+        "seconds_all": times[2:],
+        "counts": "read + write: bandwidth = 2 * copy_bytes / seconds",
+    }
+
+
+class StepBytes:
+    """Bytes a step must read, from the model's config and the engine's spec config."""
+
+    def __init__(self, engine, elem: int) -> None:
+        arch = ModelArch.from_hf_config(load_hf_config(engine.cfg))
+        self.arch, self.elem, self.spec = arch, elem, engine.cfg.spec
+        self.shapes = hf_weight_shapes(arch)
+        self.page_size = engine.cfg.cache.page_size
+        self.page = page_bytes(self.page_size, arch.num_kv_heads, arch.head_dim, elem)
+
+    def __call__(self, rows: list[Row]) -> dict[str, int]:
+        w = weight_bytes(self.shapes, sum(r.num_tokens for r in rows), self.elem)
+        reads = kv_page_reads(
+            rows,
+            self.arch.num_layers,
+            self.page_size,
+            self.spec.sparse_budget,
+            self.spec.refresh_while_drafting,
+        )
+        return {"weights": w, "kv": reads * self.page, "total": w + reads * self.page}
+
+
+def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
+    """Profile `steps` engine steps: per step its window (start to next start), the union of
+    the GPU's kernel / memcpy / memset intervals inside it, and the idle rest."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    first, ran = len(rec.steps), []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            before = len(rec.steps)
+            with record_function(STEP_LABEL):
+                engine.step()
+            ran.append(len(rec.steps) > before)  # a step with no rows never reaches the worker
+        torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    marks = sorted(
+        (e.start_ns(), e.end_ns())
+        for e in events
+        if e.name() == STEP_LABEL and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    # device events, without the GPU-side copies of the annotations (they span whole steps)
+    busy = [
+        (e.start_ns(), e.end_ns())
+        for e in events
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+        and e.name() != STEP_LABEL
+        and not e.is_user_annotation()
+    ]
+    windows = idle_per_step([s for s, _ in marks], marks[-1][1], busy)
+    windows = [w for w, r in zip(windows, ran, strict=True) if r]
+    out = []
+    for (rows, _), (window, b) in zip(rec.steps[first:], windows, strict=True):
+        out.append({"kind": step_kind(rows), "window_s": window / 1e9, "busy_s": b / 1e9})
+    return out
+
+
+def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
+    steps_total = args.warmup + args.steps + args.profile_steps
+    kw = {"model": args.model, **extra}  # dummy shapes: model="dummy" and its overrides
+    llm = LLM(
+        device=args.device,
+        dtype=args.dtype,
+        spec_mode=mode,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_batched_tokens,
+        calibrate=args.calibrate,
+        **kw,
+    )
+    engine = llm.engine
+    rec = Recorder(engine.executor)
+    engine.executor = rec
+    vocab = engine.info["vocab_size"]
+    prompts = (
+        random_prompts(args.batch, args.context, vocab)
+        if args.dummy_shapes
+        else long_context_prompts(llm.tokenizer, args.batch, args.context)
+    )
+    # each step commits at most one token per request on average, so no request finishes
+    params = SamplingParams(
+        max_tokens=steps_total + engine.cfg.spec.d_max + 2, temperature=0, seed=0, ignore_eos=True
+    )
+    prefill_batch(engine, prompts, params, mode)
+    for _ in range(args.warmup):  # graph buckets, kernel compiles, the pool's first pages
+        engine.step()
+    rec.steps.clear()
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        if len(rec.steps) > len(walls):  # a step with no rows never reaches the worker
+            walls.append(time.perf_counter() - t0)
+    count_bytes = StepBytes(engine, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    steps = [
+        {
+            "kind": step_kind(rows),
+            "wall_s": w,
+            "rows": len(rows),
+            "tokens": sum(r.num_tokens for r in rows),
+            "bytes": count_bytes(rows),
+            "worker_s": {k: t[k] for k in SPLIT if k in t},
+        }
+        for (rows, t), w in zip(rec.steps, walls, strict=True)
+    ]
+    on_gpu = torch.device(args.device).type == "cuda"
+    idle = gpu_idle(engine, rec, args.profile_steps) if on_gpu and args.profile_steps else None
+    llm.shutdown()
+    del llm, engine
+    gc.collect()
+    _empty_cache()
+    kinds = summarize(steps, idle, bandwidth)
+    return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle}
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    bars = [
+        (f"{r['mode']}\n{kind}", k["wall_ms"], k["floor_ms"])
+        for r in results
+        for kind, k in r["kinds"].items()
+    ]
+    x = range(len(bars))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars)), 4))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="measured (median wall)")
+    ax.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="floor = bytes / copy bw")
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="path or alias")
+    p.add_argument(
+        "--dummy-shapes",
+        choices=sorted(DUMMY_SHAPES),
+        default=None,
+        help="random weights of this architecture, random-token prompts",
+    )
+    p.add_argument("--context", type=int, default=8000, help="prompt tokens per request")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--modes", default="ar,magicdec,aspire_fixed,aspire")
+    p.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
+    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
+    p.add_argument("--profile-steps", type=int, default=12, help="profiled steps (GPU only)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--calibrate", default="auto", choices=("auto", "off", "force"))
+    p.add_argument("--copy-mib", type=int, default=None, help="default 1024 (cuda), 64 (cpu)")
+    p.add_argument("--copy-repeats", type=int, default=10)
+    p.add_argument("--out", default=None, help="JSON report")
+    p.add_argument("--plot", default=None, help="PNG: measured vs floor per step kind")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    mib = args.copy_mib or (1024 if device.type == "cuda" else 64)
+    bw = copy_bandwidth(device, mib * 2**20, args.copy_repeats)  # before the KV pool is taken
+    _empty_cache()
+    extra = {}
+    if args.dummy_shapes:  # a pool of just the batch's pages (16-token pages, the default)
+        tokens = args.context + args.warmup + args.steps + args.profile_steps + 64
+        extra = dict(
+            model="dummy",
+            load_format="dummy",
+            hf_overrides=DUMMY_SHAPES[args.dummy_shapes],
+            num_pages=(args.batch + 4) * -(-tokens // 16),
+        )
+    results = []
+    for mode in args.modes.split(","):
+        results.append(run_mode(mode, args, extra, bw["bytes_per_s"]))
+        print(f"{mode} done", file=sys.stderr, flush=True)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    what = args.dummy_shapes or args.model
+    print(
+        f"# Step floors: {what}, context {args.context}, batch {args.batch}, {args.dtype}, "
+        f"{gpu}, torch {torch.__version__}, triton {triton_version}"
+    )
+    print(table(results, bw))
+    if device.type != "cuda":
+        print("\nGPU idle: not measured on the CPU (the profiler part runs on CUDA only)")
+    report = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "bandwidth": bw,
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(results, args.plot, f"{what}, ctx {args.context}, batch {args.batch}, {gpu}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The arithmetic and the table of scripts/bench_floor.py, in plain Python (tested without a
+model or GPU).
+
+What a decode step must read at least once from memory: every weight, and the KV pages each row
+lists in each layer; and how long the GPU sat idle in a step (wall time minus its busy time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+SPLIT = ("prepare", "forward", "refresh", "sample", "total")  # worker timings, seconds
+
+
+class Row(NamedTuple):
+    """One row of a step plan, as far as its reads go."""
+
+    kind: str  # "draft", "verify" or "prefill"
+    context_len: int  # tokens of KV the row attends to, its own inputs included
+    num_tokens: int  # query tokens
+    num_drafts: int = 0  # verify rows: d (0: a plain autoregressive step)
+
+
+def weight_bytes(shapes: Iterable[tuple[str, Sequence[int]]], n_tokens: int, elem: int) -> int:
+    """Bytes of weights a step of n_tokens reads: every tensor once, but of the embedding table
+    only the n_tokens gathered rows. The lm_head is read whole; a tied head IS the table, so
+    then the table is read whole (as the head) and its gathered rows once more.
+
+    shapes: (name, full shape) of every checkpoint tensor (model_loading.hf_weight_shapes).
+    """
+    total, hidden, tied_vocab = 0, None, None
+    has_head = False
+    for name, shape in shapes:
+        if name == EMBED:
+            tied_vocab, hidden = shape
+            continue
+        has_head |= name == HEAD
+        total += math.prod(shape)
+    if hidden is None:
+        raise ValueError(f"no {EMBED} among the shapes")
+    head = 0 if has_head else tied_vocab * hidden
+    return (total + head + n_tokens * hidden) * elem
+
+
+def page_bytes(page_size: int, kv_heads: int, head_dim: int, elem: int) -> int:
+    """Bytes of one page in one layer: K and V of page_size tokens."""
+    return 2 * page_size * kv_heads * head_dim * elem
+
+
+def kv_page_reads(
+    rows: Iterable[Row],
+    num_layers: int,
+    page_size: int,
+    budget: Callable[[int], int],
+    refresh_full: bool,
+) -> int:
+    """Pages read over all layers: a draft row reads its sparse list S_i (k_i = budget(P_i)
+    pages, or all P_i pages when P_i <= k_i) in every layer, except the refresh layer of a
+    scoring policy (refresh_full), where it reads all P_i; other rows read all P_i everywhere."""
+    reads = 0
+    for row in rows:
+        pages = math.ceil(row.context_len / page_size)
+        if row.kind != "draft":
+            reads += num_layers * pages
+            continue
+        sparse = min(budget(pages), pages)
+        reads += (num_layers - 1) * sparse + pages if refresh_full else num_layers * sparse
+    return reads
+
+
+def step_kind(rows: Sequence[Row]) -> str:
+    """ar (verify rows with no drafts), draft, verify, mixed (draft + verify), prefill."""
+    kinds = {r.kind for r in rows}
+    if "prefill" in kinds or not kinds:
+        return "prefill"
+    if kinds == {"draft"}:
+        return "draft"
+    if kinds == {"verify"}:
+        return "ar" if all(r.num_drafts == 0 for r in rows) else "verify"
+    return "mixed"
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of (start, end) intervals clipped to [lo, hi)."""
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi)
+    busy, end = 0.0, lo
+    for s, e in clipped:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy
+
+
+def idle_per_step(
+    starts: Sequence[float], last_end: float, intervals: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """(window, busy) per step: a step's window runs from its start to the next step's start
+    (the last one's to last_end), so host time between steps counts as idle; GPU work that
+    spills past a step's window counts in the next one."""
+    bounds = [*starts, last_end]
+    return [
+        (hi - lo, busy_seconds(intervals, lo, hi))
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
+def median(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def summarize(steps: list[dict], profile: list[dict] | None, bandwidth: float) -> dict:
+    """Per step kind: medians of the timed steps, floor = bytes / bandwidth, ratio, GPU idle.
+
+    steps: {"kind", "wall_s", "rows", "tokens", "bytes": {"weights", "kv", "total"},
+            "worker_s": {name: seconds}} per timed step.
+    profile: {"kind", "window_s", "busy_s"} per profiled step, or None (CPU).
+    bandwidth: bytes per second (read + write of a copy).
+    Idle is the unprofiled median wall minus the profiled median GPU-busy time, because the
+    profiler's own host overhead lengthens the profiled steps (their idle is kept apart).
+    """
+    kinds = {}
+    for kind in dict.fromkeys(s["kind"] for s in steps):
+        mine = [s for s in steps if s["kind"] == kind]
+        wall = median(s["wall_s"] for s in mine)
+        nbytes = {k: median(s["bytes"][k] for s in mine) for k in ("weights", "kv", "total")}
+        floor = nbytes["total"] / bandwidth
+        names = dict.fromkeys(n for s in mine for n in s["worker_s"])
+        k = {
+            "steps": len(mine),
+            "wall_ms": 1e3 * wall,
+            "rows": median(s["rows"] for s in mine),
+            "tokens": median(s["tokens"] for s in mine),
+            "bytes": nbytes,
+            "floor_ms": 1e3 * floor,
+            "ratio": wall / floor,
+            "worker_ms": {
+                n: 1e3 * median(s["worker_s"][n] for s in mine if n in s["worker_s"]) for n in names
+            },
+        }
+        prof = [p for p in profile or [] if p["kind"] == kind]
+        if prof:
+            busy = median(p["busy_s"] for p in prof)
+            k["gpu"] = {
+                "profiled_steps": len(prof),
+                "busy_ms": 1e3 * busy,
+                "idle_ms": 1e3 * (wall - busy),
+                "idle_frac": (wall - busy) / wall,
+                "profiled_idle_ms": 1e3 * median(p["window_s"] - p["busy_s"] for p in prof),
+            }
+        kinds[kind] = k
+    return kinds
+
+
+def table(results: list[dict], bw: dict) -> str:
+    lines = [
+        f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s ({bw['counts']}; "
+        f"{bw['copy_bytes'] / 2**20:.0f} MiB x {bw['repeats']}, median)",
+        "",
+        "| mode | step | n | wall ms | prepare / forward / refresh / sample ms | weights GB "
+        "| KV GB | floor ms | ratio | GPU busy ms | idle ms (frac) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for kind, k in r["kinds"].items():
+            w = k["worker_ms"]
+            split = " / ".join(f"{w[x]:.2f}" if x in w else "-" for x in SPLIT[:-1])
+            g = k.get("gpu")
+            gpu = (
+                f"{g['busy_ms']:.2f} | {g['idle_ms']:.2f} ({g['idle_frac']:.0%})" if g else "- | -"
+            )
+            lines.append(
+                f"| {r['mode']} | {kind} | {k['steps']} | {k['wall_ms']:.2f} | {split} "
+                f"| {k['bytes']['weights'] / 1e9:.3f} | {k['bytes']['kv'] / 1e9:.3f} "
+                f"| {k['floor_ms']:.3f} | {k['ratio']:.2f}x | {gpu} |"
+            )
+    return "\n".join(lines)

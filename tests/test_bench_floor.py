@@ -1,0 +1,112 @@
+"""scripts/bench_floor.py: its byte arithmetic against hand computations, and one end-to-end
+CPU run on a tiny random model (two modes, valid JSON out)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from aspire_ray.config import SpecConfig
+from aspire_ray.model.arch import ModelArch
+from aspire_ray.worker.model_loading import hf_weight_shapes
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+_spec = importlib.util.spec_from_file_location("floor_report", SCRIPTS / "floor_report.py")
+fr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fr)
+
+
+def _arch(tied: bool) -> ModelArch:
+    cfg = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, head_dim=16,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=256, tie_word_embeddings=tied)  # fmt: skip
+    return ModelArch.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weight_bytes_by_hand(tied):
+    # per layer: q, o 64x64; k, v 32x64; q/k/v biases 64+32+32; gate, up, down 128x64; 2 norms
+    layer = 2 * 4096 + 2 * 2048 + 128 + 3 * 8192 + 2 * 64
+    # 4 layers, final norm, the head (a tied head is the table), 5 gathered embedding rows
+    params = 4 * layer + 64 + 256 * 64 + 5 * 64
+    assert params == 165248
+    assert fr.weight_bytes(hf_weight_shapes(_arch(tied)), n_tokens=5, elem=2) == 2 * params
+
+
+def test_kv_page_reads_by_hand():
+    def budget(p):
+        return max(4, math.ceil(0.07 * p))
+
+    rows = [
+        fr.Row("draft", 1000, 1),  # 63 pages, k = max(4, ceil(4.41)) = 5
+        fr.Row("verify", 306, 6, num_drafts=5),  # 20 pages, every layer
+        fr.Row("draft", 40, 1),  # 3 pages <= k: the sparse list is the full list
+    ]
+    # refresh layer full for draft rows: 3 layers x 5 + 63; 4 x 20; 3 x 3 + 3
+    assert fr.kv_page_reads(rows, 4, 16, budget, refresh_full=True) == 78 + 80 + 12
+    assert fr.kv_page_reads(rows, 4, 16, budget, refresh_full=False) == 20 + 80 + 12
+    assert fr.page_bytes(16, kv_heads=2, head_dim=16, elem=2) == 2048
+
+
+def test_paper_shape_kv_bytes():
+    # Qwen2.5-Coder-0.5B at 32,000 tokens: 2,000 pages of 8 KiB per layer; k = 140 pages
+    spec = SpecConfig(mode="aspire_fixed")
+    page = fr.page_bytes(16, kv_heads=2, head_dim=64, elem=2)
+    ar = fr.kv_page_reads([fr.Row("verify", 32000, 1)] * 64, 24, 16, spec.sparse_budget, True)
+    assert ar * page == 64 * 24 * 2000 * 8192  # 25.2 GB, the `ar` step of issue 14
+    draft = fr.kv_page_reads([fr.Row("draft", 32000, 1)], 24, 16, spec.sparse_budget, True)
+    assert draft == 23 * 140 + 2000
+
+
+def test_step_kind_and_idle():
+    v0, v5, d = fr.Row("verify", 9, 1), fr.Row("verify", 9, 6, 5), fr.Row("draft", 9, 1)
+    assert [fr.step_kind(r) for r in ([v0, v0], [v0, v5], [d], [d, v5])] == [
+        "ar", "verify", "draft", "mixed"]  # fmt: skip
+    assert fr.busy_seconds([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == 3.0
+    assert fr.idle_per_step([0, 4], 8, [(1, 3), (3.5, 5), (6, 7)]) == [(4, 2.5), (4, 2)]
+
+
+def test_summarize():
+    step = {"kind": "ar", "rows": 2, "tokens": 2, "worker_s": {"forward": 0.002},
+            "bytes": {"weights": 1000, "kv": 3000, "total": 4000}}  # fmt: skip
+    steps = [dict(step, wall_s=w) for w in (0.004, 0.006, 0.005)]
+    prof = [{"kind": "ar", "window_s": 0.007, "busy_s": 0.003}]
+    k = fr.summarize(steps, prof, bandwidth=1e6)["ar"]
+    assert k["wall_ms"] == pytest.approx(5.0) and k["floor_ms"] == pytest.approx(4.0)
+    assert k["ratio"] == pytest.approx(1.25) and k["worker_ms"]["forward"] == pytest.approx(2.0)
+    assert k["gpu"]["idle_ms"] == pytest.approx(2.0) and k["gpu"]["idle_frac"] == pytest.approx(0.4)
+    assert "| ar | ar | 3 | 5.00 |" in fr.table([{"mode": "ar", "kinds": {"ar": k}}],
+                                                 {"bytes_per_s": 1e6, "counts": "", "copy_bytes": 1,
+                                                  "repeats": 1})  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_script_runs_on_cpu(tmp_path):
+    out = tmp_path / "floor.json"
+    cmd = [sys.executable, str(SCRIPTS / "bench_floor.py"), "--device", "cpu", "--dtype",
+           "float32", "--dummy-shapes", "tiny-qwen3", "--context", "600", "--batch", "2",
+           "--modes", "ar,aspire_fixed", "--steps", "6", "--warmup", "2", "--copy-mib", "8",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| ar | ar |" in proc.stdout and "not measured on the CPU" in proc.stdout
+    report = json.loads(out.read_text())
+    assert "bench_floor.py" in report["command"] and report["gpu"] == "cpu"
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"ar", "aspire_fixed"} and "draft" in by_mode["aspire_fixed"]["kinds"]
+    bw = report["bandwidth"]["bytes_per_s"]
+    page = fr.page_bytes(16, kv_heads=2, head_dim=32, elem=4)  # tiny-qwen3, fp32
+    for r in report["results"]:
+        for s in r["steps"]:
+            assert s["bytes"]["kv"] % page == 0 and s["bytes"]["kv"] > 0
+        for k in r["kinds"].values():
+            assert k["ratio"] == pytest.approx(k["wall_ms"] / (1e3 * k["bytes"]["total"] / bw))
+    # an `ar` row at >= 601 tokens reads all of its >= 38 pages in all 4 layers
+    assert by_mode["ar"]["kinds"]["ar"]["bytes"]["kv"] >= 2 * 4 * 38 * page
