@@ -31,39 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+# defined without triton (importers that only need the config or checks use that module)
+from .attention_config import DEFAULT_CONFIG, AttentionConfig, check_cache, check_meta, check_q
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
 
 _LOG2E = 1.4426950408889634
 _CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Tile sizes and launch parameters (defaults chosen on an H200: scripts/bench_kernels.py)."""
-
-    block_m_min: int = 16  # smallest query-row tile (decode rows)
-    block_m_max: int = 64  # largest query-row tile (prefill chunks)
-    block_n: int = 128  # KV tokens per tile (capped for prefill tiles, fp32 and head_dim > 128)
-    num_warps: int = 4
-    num_stages: int = 3
-    waves: float = 8.0  # target programs per SM; rows are split to reach it
-    min_chunk_pages: int = 32  # never split a row into chunks smaller than this
-    split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
-    kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
-
-    def __post_init__(self) -> None:
-        for name in ("block_m_min", "block_m_max", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.block_m_min > self.block_m_max:
-            raise ValueError(f"block_m_min {self.block_m_min} > block_m_max {self.block_m_max}")
-        if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
-            raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
-
-
-DEFAULT_CONFIG = AttentionConfig()
 
 
 @functools.cache
@@ -437,51 +411,6 @@ def block_ms_for(max_q: int, group: int, config: AttentionConfig = DEFAULT_CONFI
     """The query tiles of rows of 1..max_q queries."""
     cfg = _config_for(config, group)
     return sorted(set(_block_m(np.arange(1, max_q + 1), group, cfg).tolist()))
-
-
-def check_meta(meta: PagedKVMeta, device: torch.device) -> None:
-    """Host copies must exist (planning must not sync; a fixed plan needs none) and index
-    tensors be int32 on device."""
-    if meta.fixed_plan is None and (meta.qo_indptr_host is None or meta.kv_indptr_host is None
-                                    or meta.kv_last_page_len_host is None):  # fmt: skip
-        raise ValueError("PagedKVMeta needs its *_host copies (build it with PagedKVMeta.build)")
-    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
-        t = getattr(meta, name)
-        if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
-            raise ValueError(
-                f"meta.{name} must be a contiguous int32 tensor on {device}, "
-                f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
-            )
-
-
-def check_cache(kv_cache: torch.Tensor, page_size: int, head_dim: int, dtype: torch.dtype) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [P, 2, ps, Hkv, D], got {tuple(kv_cache.shape)}")
-    if kv_cache.shape[2] != page_size or kv_cache.shape[4] != head_dim:
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} does not match page_size {page_size} "
-            f"and head_dim {head_dim}"
-        )
-    if kv_cache.dtype != dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {dtype}")
-    if kv_cache.stride(4) != 1:
-        raise ValueError(f"kv_cache last dim must be contiguous, strides {kv_cache.stride()}")
-
-
-def check_q(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"q dtype must be bf16, fp16 or fp32, got {q.dtype}")
-    d = q.shape[2]
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
-    if q.stride(2) != 1:
-        raise ValueError(f"q last dim must be contiguous, strides {q.stride()}")
-    if q.device != kv_cache.device:
-        raise ValueError(f"q on {q.device} but kv_cache on {kv_cache.device}")
-    if q.shape[1] % kv_cache.shape[3]:
-        raise ValueError(f"{q.shape[1]} q heads are not a multiple of {kv_cache.shape[3]} kv heads")
 
 
 def paged_attention(

@@ -53,14 +53,24 @@ class AttentionBackend:
         return ref.token_max_probs_ref(q, lse, kv_cache, meta, scale)
 
 
+class BackendUnavailableError(ValueError):
+    """An attention backend that cannot run here: a missing package (``package``, its pip name)
+    or a device it does not support. A ValueError, as any bad ``attention_backend`` setting."""
+
+    def __init__(self, message: str, package: str | None = None) -> None:
+        super().__init__(message)
+        self.package = package
+
+
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {"torch": AttentionBackend}
 
-# Backends whose module registers them only when its dependency imports, and how to install it.
-_OPTIONAL = {
-    "triton": ("triton_backend", "pip install triton"),
-    "flashinfer": ("flashinfer_backend", "pip install flashinfer-python"),
-}
+# Backends whose module is imported only when selected: a CPU install has neither triton nor
+# flashinfer, and the CPU default ("torch") needs neither.
+_OPTIONAL = {"triton": "triton_backend", "flashinfer": "flashinfer_backend"}
+# Their dependencies (top-level module -> pip name); flashinfer's backend builds on Triton's.
+_PACKAGES = {"triton": "triton", "flashinfer": "flashinfer-python"}
 _CUDA_ONLY = frozenset({"flashinfer"})
+_missing: dict[str, tuple[str, ImportError]] = {}  # backend -> (pip name, the import's error)
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -68,39 +78,45 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
 
 
 def _load_optional_backend(name: str) -> None:
-    # Imported lazily, and only when asked for: the GPU backends need triton or flashinfer,
-    # which CPU installs may lack.
-    if name in _OPTIONAL and name not in _REGISTRY:
-        try:
-            importlib.import_module(f"aspire_ray.attention.{_OPTIONAL[name][0]}")
-        except ImportError:
-            pass
+    if name not in _OPTIONAL or name in _REGISTRY or name in _missing:
+        return
+    try:
+        importlib.import_module(f"aspire_ray.attention.{_OPTIONAL[name]}")
+    except ImportError as e:
+        root = (e.name or "").split(".")[0]
+        if root not in _PACKAGES:
+            raise  # not a missing dependency: a bug, which must not read as "not installed"
+        _missing[name] = (_PACKAGES[root], e)
 
 
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Resolve a backend by name; "auto" picks the fastest one available for the device.
+    """Resolve a backend by name; "auto" is "torch" off CUDA and "triton" on CUDA.
 
-    "auto" prefers Triton on CUDA: it runs every dtype (fp32 too) and inside the worker's CUDA
-    graphs; flashinfer is chosen by name only.
+    On CUDA "auto" never falls back to the torch reference: without triton (which CUDA torch
+    wheels bring) it raises ``BackendUnavailableError`` naming the package, rather than serve
+    many times slower; ``attention_backend="torch"`` chooses the reference explicitly.
     """
     device = torch.device(device)
     if name == "auto":
-        if device.type != "cuda":
-            name = "torch"
-        else:
-            _load_optional_backend("triton")
-            name = next(n for n in ("triton", "torch") if n in _REGISTRY)
+        name = "triton" if device.type == "cuda" else "torch"
     if name in _CUDA_ONLY and device.type != "cuda":
-        raise ValueError(
+        raise BackendUnavailableError(
             f"attention backend {name!r} is not available on {device.type}: "
             f"it needs a CUDA GPU (use 'triton' or 'torch')"
         )
     _load_optional_backend(name)
+    if name in _missing:
+        package, error = _missing[name]
+        raise BackendUnavailableError(
+            f"attention backend {name!r} is not available: it needs the package {package!r} "
+            f"({error}); install it with: pip install {package}, "
+            f"or choose attention_backend='torch' (the pure-torch reference, slow)",
+            package,
+        )
     if name not in _REGISTRY:
         for other in _OPTIONAL:  # so that the message lists every backend that would load
             _load_optional_backend(other)
-        hint = f"; install it with: {_OPTIONAL[name][1]}" if name in _OPTIONAL else ""
-        raise ValueError(
-            f"attention backend {name!r} is not available (available: {sorted(_REGISTRY)}){hint}"
+        raise BackendUnavailableError(
+            f"attention backend {name!r} is not available (available: {sorted(_REGISTRY)})"
         )
     return _REGISTRY[name]()

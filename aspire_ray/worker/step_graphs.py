@@ -20,13 +20,18 @@ safe because replays run one after another on one stream.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.paged_attention import AttentionConfig, FixedPlan
+from aspire_ray.kernels.attention_config import AttentionConfig
 
 from .cuda_graphs import PiecewiseGraphs
 from .step_attention import StepAttention
+
+if TYPE_CHECKING:  # the Triton module is imported where a plan is built (CUDA only)
+    from aspire_ray.kernels.paged_attention import FixedPlan
 
 
 class StepGraphs:
@@ -73,6 +78,8 @@ class StepGraphs:
 
     def _fixed(self, n: int, page_size: int) -> tuple[FixedPlan, PagedKVMeta]:
         if n not in self.plans:
+            from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
+
             hq, hkv, d = self.heads
             largest = self.plans.get(max(self.plans, default=0))
             self.plans[n] = FixedPlan.for_tokens(n, self.max_q, hq, hkv, d, self.pieces.device,
