@@ -63,6 +63,10 @@ class SpecConfig:
     alpha_ema: float = 0.8  # alpha <- ema * alpha + (1 - ema) * alpha_hat
     fsm_min: int = 1
     fsm_max: int = 16
+    # aspire: a request whose target draft length stayed 0 for this many verifications drafts
+    # one probe token, so that alpha and the cost model keep learning (gamma = 0 is never
+    # absorbing; docs/speculation.md).
+    probe_every: int = 16
     # Cost model: refit online every N steps from measured step times.
     refit_every: int = 64
 
@@ -84,6 +88,7 @@ class SpecConfig:
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
+        _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
 
     def sparse_budget(self, num_pages: int) -> int:
         """k_i = max(k_min, ceil(rho * P_i)) pages in S_i (DESIGN.md §1.1); the one formula the
@@ -135,3 +140,10 @@ class EngineConfig:
                  f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         _require(self.device.split(":")[0] in ("cpu", "cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        # a verify row of d_max drafts (d_max + 1 tokens) must fit in one step's token budget,
+        # else it is never scheduled and the engine spins
+        budget = self.scheduler.max_num_batched_tokens
+        _require(not self.spec.speculative or self.spec.d_max + 1 <= budget,
+                 f"d_max + 1 ({self.spec.d_max + 1}, d_max={self.spec.d_max}) must not exceed "
+                 f"max_num_batched_tokens ({budget}): a verify row of d_max drafts would never "
+                 "fit in a step")

@@ -4,61 +4,14 @@ valid and leave nothing behind, the fit is cached per deployment and reused."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
+from fake_executor import TRUE, FakeExecutor
 
 from aspire_ray.engine.calibration import CPU_SWEEP, cache_path, deployment_key
 from aspire_ray.engine.engine import LLMEngine
-from aspire_ray.executor.base import Executor
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, RowResult, StepOutput, StepPlan
 from aspire_ray.spec.cost_model import PRIOR
-from aspire_ray.spec.draft_policy import DraftPolicy
-
-TRUE = (2e-3, 5e-5, 3e-7)  # b_model, b_tok, b_kv the fake device "measures"
-
-
-class FakeExecutor(Executor):
-    """A worker stand-in whose forward time is exactly the three-term model; it checks every
-    plan the way a worker would use it (known requests, pages covering each row)."""
-
-    def __init__(self, cfg, device_name: str = "fake-gpu") -> None:
-        self.cfg = cfg
-        self.device_name = device_name
-        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size)
-        self.tables: dict[str, list[int]] = {}
-        self.calls = 0
-
-    def describe(self) -> dict:
-        return {"num_pages": 600, "num_layers": 4, "vocab_size": 256,
-                "max_position_embeddings": 4096, "eos_token_ids": [], "refresh_layer": 2,
-                "device_name": self.device_name}
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        self.calls += 1
-        for rid in plan.dropped_req_ids:
-            del self.tables[rid]
-        for rid in plan.new_requests:
-            assert rid not in self.tables
-            self.tables[rid] = []
-        assert len({r.req_id for r in plan.rows}) == len(plan.rows), "two rows of one request"
-        n = kv = 0
-        results = []
-        for row in plan.rows:
-            bt = self.tables[row.req_id]
-            del bt[row.pages_keep :]
-            bt.extend(row.pages_new)
-            assert math.ceil(row.context_len / self.cfg.cache.page_size) <= len(bt)
-            if row.kind == RowKind.VERIFY:
-                assert row.num_tokens == row.num_drafts + 1
-            n += row.num_tokens
-            kv += (self.policy.sparse_tokens(row.context_len) if row.kind == RowKind.DRAFT
-                   else row.context_len)
-            results.append(RowResult(row.req_id, row.kind, [] if row.kind == RowKind.PREFILL
-                                     else [0]))
-        seconds = TRUE[0] + TRUE[1] * n + TRUE[2] * kv
-        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
 
 
 def _cfg(mode="aspire", calibrate="auto", **kw):
@@ -140,6 +93,11 @@ def test_real_cpu_sweep_is_short_and_sane(tiny_model_dir):
     assert len(cal.samples) == sum(len(CPU_SWEEP.batches) * (CPU_SWEEP.draft_steps
                                                              + len(CPU_SWEEP.drafts))
                                    for _ in CPU_SWEEP.contexts)
-    c = engine.cost_model.coef
-    assert c.r2 is not None and c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
+    # CPU step times of a tiny model are mostly Python overhead and noise: the fit may be
+    # refused (r2 below the threshold), and then the prior stays in force
+    model = engine.cost_model
+    c = model.coef
+    assert model.status == "fit" or model.status.startswith("prior: ")
+    assert (c.r2 is not None) == model.fitted
+    assert c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
     assert engine.executor.worker.requests == {} and engine.blocks.num_used == 0

@@ -62,8 +62,8 @@ def test_cost_model_keeps_prior_when_underdetermined():
 
 def test_draft_verify_ratio_grows_with_sparse_budget():
     model = CostModel()
-    small = model.draft_verify_ratio(batch=16, sparse_tokens=512, drafts=4, context_tokens=8192)
-    large = model.draft_verify_ratio(batch=16, sparse_tokens=4096, drafts=4, context_tokens=8192)
+    small = model.draft_verify_ratio(batch=16, draft_kv_tokens=512, drafts=4, context_tokens=8192)
+    large = model.draft_verify_ratio(batch=16, draft_kv_tokens=4096, drafts=4, context_tokens=8192)
     assert 0 < small < large < 1
 
 

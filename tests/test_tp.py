@@ -156,8 +156,10 @@ def test_calibration_runs_on_tp2(tiny_model_dir, tp2_executor, tmp_path, monkeyp
     engine = LLMEngine(cfg, executor=tp2_executor("llama", cfg))
     cal = engine.calibration
     assert cal.source == "sweep" and "-tp2-" in cal.path
-    c = engine.cost_model.coef
-    assert c.r2 is not None and c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
+    # CPU step times are noisy: a refused fit (r2 below the threshold) keeps the prior
+    model = engine.cost_model
+    c = model.coef
+    assert (c.r2 is not None) == model.fitted and c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
     assert engine.blocks.num_used == 0
     leftover = engine.executor.call_ranks("page_scores")
     assert all(not r for r in leftover), "synthetic requests leaked"

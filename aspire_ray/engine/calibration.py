@@ -10,13 +10,17 @@ The sweep, per context length c (pages borrowed from the engine's BlockManager, 
   3. for each batch size B: timed draft steps (B draft rows over their sparse pages) and timed
      verify steps with d drafts per row (B rows of d + 1 tokens over all c + d + 1 tokens).
 Each timed step (run ``repeats`` times, the median kept) gives a sample (n_tokens,
-kv_tokens_read, worker step seconds), with kv_tokens_read computed exactly as the engine
-does online (draft rows read |S_i| tokens). The synthetic requests use fresh ids and are
+kv_tokens_read, worker step seconds), with the features computed exactly as the engine does
+online (``DraftPolicy.step_features``: draft rows read |S_i|, and the full list at the refresh
+layer where the policy refreshes while drafting). The synthetic requests use fresh ids and are
 dropped from the workers afterwards.
 
-The fit is cached as JSON under ``cache_root()/calibration/``, keyed by the deployment; a later
-start loads the coefficients and the samples (so online refits start from a well-conditioned
-window) and the engine keeps refitting every ``refit_every`` steps.
+The fit of the sweep is the cost model's calibrated prior: in force from the start, and where
+an online refit is poor, the model falls back to it. It is cached as JSON under
+``cache_root()/calibration/``, keyed by the deployment; a later start refits the cached samples
+(under this start's physics bounds) instead of sweeping, and the samples seed the online window
+(so online refits start well-conditioned); the engine keeps refitting every ``refit_every``
+steps.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from aspire_ray.spec.cost_model import CostCoefficients
 if TYPE_CHECKING:
     from .engine import LLMEngine
 
-FORMAT_VERSION = 2  # 2: samples are whole worker steps (timings["total"]), not the forward
+# 2: samples are whole worker steps (timings["total"]), not the forward;
+# 3: a draft row's kv_tokens include its refresh-layer full-list read (KVReads)
+FORMAT_VERSION = 3
 _GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
 
@@ -90,6 +96,7 @@ def deployment_key(engine: LLMEngine) -> dict:
         "page_size": cfg.cache.page_size,
         "k_min": cfg.spec.k_min,
         "rho": cfg.spec.rho,
+        "refresh_while_drafting": cfg.spec.refresh_while_drafting,
     }
 
 
@@ -116,27 +123,29 @@ def calibrate(engine: LLMEngine, mode: str | None = None,
     if mode == "auto":
         cached = _load(path, key)
         if cached is not None:
-            samples = cached["samples"]
-            _feed(engine, samples, CostCoefficients(**cached["coefficients"]))
+            samples = [tuple(s) for s in cached["samples"]]
+            _feed(engine, samples)
             return CalibrationResult("cache", str(path), time.perf_counter() - t0,
                                      engine.cost_model.coef, samples)
     if sweep is None:
         sweep = GPU_SWEEP if engine.cfg.device.startswith("cuda") else CPU_SWEEP
     samples = SweepRunner(engine, sweep).run()
-    _feed(engine, samples, None)
-    coef = engine.cost_model.coef
-    _save(path, key, coef, samples)
-    return CalibrationResult("sweep", str(path), time.perf_counter() - t0, coef, samples)
+    if _feed(engine, samples):
+        _save(path, key, engine.cost_model.coef, samples)
+    return CalibrationResult("sweep", str(path), time.perf_counter() - t0,
+                             engine.cost_model.coef, samples)
 
 
-def _feed(engine: LLMEngine, samples: list, coef: CostCoefficients | None) -> None:
+def _feed(engine: LLMEngine, samples: list) -> bool:
+    """Seed the online window with the samples; their fit becomes the prior. False if the fit
+    was refused (the prior stays the built-in one)."""
     model = engine.cost_model
     for n, kv, s in samples:
         model.add_sample(n, kv, s)
-    if coef is not None:
-        model.coef = coef
-    else:
-        model.fit()
+    coef = model.fit()
+    if model.fitted:
+        model.set_prior(coef)
+    return model.fitted
 
 
 def _load(path: Path, key: dict) -> dict | None:
@@ -150,8 +159,6 @@ def _load(path: Path, key: dict) -> dict | None:
 
 
 def _save(path: Path, key: dict, coef: CostCoefficients, samples: list) -> None:
-    if coef.r2 is None:  # the sweep could not identify the terms: nothing worth keeping
-        return
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"key": key, "created": time.time(),
             "coefficients": {"b_model": coef.b_model, "b_tok": coef.b_tok, "b_kv": coef.b_kv,
@@ -284,12 +291,9 @@ class SweepRunner:
     def _execute(self, plan: StepPlan) -> StepOutput:
         return self.executor.execute(plan)
 
-    def features(self, plan: StepPlan) -> tuple[int, int]:
+    def features(self, plan: StepPlan) -> tuple[int, float]:
         """(n_tokens, kv_tokens_read) exactly as the engine records them online."""
-        n = sum(r.num_tokens for r in plan.rows)
-        kv = sum(self.policy.sparse_tokens(r.context_len) if r.kind == RowKind.DRAFT
-                 else r.context_len for r in plan.rows)
-        return n, kv
+        return self.policy.step_features(plan.rows)
 
     def _timed(self, plan: StepPlan) -> tuple[float, float, float]:
         times = sorted(self._execute(plan).timings["total"]

@@ -17,7 +17,7 @@ from aspire_ray.model import loader
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
-from aspire_ray.spec.cost_model import CostModel
+from aspire_ray.spec.cost_model import CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
 from .block_manager import BlockManager
@@ -58,8 +58,12 @@ class LLMEngine:
         self.max_model_len = min(cfg.scheduler.max_model_len or info["max_position_embeddings"],
                                  info["max_position_embeddings"])
         self.blocks = BlockManager(info["num_pages"], cfg.cache.page_size)
-        self.cost_model = CostModel()
-        self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size)
+        # physics bounds from what the workers measured at start-up (absent: no bounds)
+        self.cost_model = CostModel(bounds=CostBounds.from_device(
+            info.get("kv_bytes_per_token"), info.get("weight_bytes"),
+            info.get("memory_bandwidth")))
+        self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size,
+                                  info["num_layers"])
         self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random()
@@ -175,6 +179,7 @@ class LLMEngine:
         d, a = row.num_drafts, res.num_accepted
         m = req.metrics
         m.decode_steps += 1
+        self.policy.on_verified(req, d, a)
         if d == 0:
             return
         m.verifications += 1
@@ -186,7 +191,6 @@ class LLMEngine:
         for j in range(d):
             m.drafted_by_position[j] += 1
             m.accepted_by_position[j] += int(j < a)
-        self.policy.on_verified(req, d, a)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
         """Commit tokens one by one, applying stop conditions to committed tokens only."""
@@ -239,15 +243,16 @@ class LLMEngine:
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
         self.step_kinds[label] += 1
         self.step_seconds[label] += out.timings.get("total", 0.0)
-        n_tokens = sum(r.num_tokens for r in rows)
-        kv = sum(self.policy.sparse_tokens(r.context_len) if r.kind == RowKind.DRAFT
-                 else r.context_len for r in rows)
         # tau is the whole worker step: a draft step's page selection, refresh and sampling
         # are part of what drafting costs (~1.7 ms outside the forward at batch 64, H200)
         if rows and "total" in out.timings:
-            self.cost_model.add_sample(n_tokens, kv, out.timings["total"])
+            n_tokens, kv = self.policy.step_features(rows)
+            seconds = out.timings["total"]
+            model = self.cost_model
+            model.errors.record(_cost_kind(kinds), model.predict(n_tokens, kv), seconds)
+            model.add_sample(n_tokens, kv, seconds)
             if self.step_count % self.cfg.spec.refit_every == 0:
-                self.cost_model.fit()
+                model.fit()
 
     # ---- outputs and stats -------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -260,7 +265,6 @@ class LLMEngine:
                              req.text, finished, req.finish_reason, req.metrics)
 
     def stats(self) -> dict:
-        c = self.cost_model.coef
         return {
             "steps": self.step_count,
             "running": len(self.scheduler.running),
@@ -272,9 +276,18 @@ class LLMEngine:
             "timings": dict(self.timings),
             "step_kinds": dict(self.step_kinds),
             "step_seconds": dict(self.step_seconds),
-            "cost_model": {"b_model": c.b_model, "b_tok": c.b_tok, "b_kv": c.b_kv, "r2": c.r2,
-                           "samples": self.cost_model.num_samples},
+            "probes": self.policy.num_probes,
+            "cost_model": self.cost_model.summary(),
         }
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _cost_kind(kinds: set[RowKind]) -> str:
+    """The step kind the cost model's prediction error is kept under."""
+    if RowKind.PREFILL in kinds:
+        return "prefill"
+    if kinds == {RowKind.DRAFT}:
+        return "draft"
+    return "verify" if kinds == {RowKind.VERIFY} else "mixed"

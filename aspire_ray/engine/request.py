@@ -44,6 +44,7 @@ class Request:
     alpha: float = 0.0
     fsm_gamma: int = 0
     verified_once: bool = False
+    plain_verifies: int = 0  # verifications with d = 0 since the last one with drafts
 
     @property
     def last_token(self) -> int:

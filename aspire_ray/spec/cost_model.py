@@ -1,13 +1,26 @@
 """Three-term, batch-aware step-time model (DESIGN.md §1.5).
 
-tau = b_model + b_tok * n_tokens + b_kv * kv_tokens_read, fitted by least squares from measured
+tau = b_model + b_tok * n_tokens + b_kv * kv_tokens, fitted by least squares from measured
 step times. Only ratios of predictions matter to the scheduler (c_i = T_draft / T_verify).
+
+kv_tokens counts KV *bytes* read in units of one token's K and V over all layers
+(``KVReads``), so a draft row whose refresh layer reads the full list is charged for it.
+
+What keeps the model honest (DESIGN.md §1.5, "learned the hard way"):
+- every coefficient is bounded below by what the hardware allows (``CostBounds``: KV bytes
+  per token and weight bytes over the bandwidth measured at start-up), so a noisy fit cannot
+  make the KV term free (b_kv = 0 once made c ~ 1 and froze every request at gamma 0);
+- a fit that cannot identify the three terms (too few distinct step shapes, an ill-conditioned
+  design) or explains the data poorly (r² < ``min_r2``) or predicts a step of no cost falls
+  back to the prior: the start-up calibration of this deployment when there is one;
+- the prediction error on measured steps is tracked by step kind (``PredictionErrors``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,7 +29,7 @@ import numpy as np
 class CostCoefficients:
     b_model: float  # seconds per step (weights read, launches, orchestration)
     b_tok: float  # seconds per query token
-    b_kv: float  # seconds per KV token read
+    b_kv: float  # seconds per KV token read (one token's K and V in every layer)
     r2: float | None = None  # goodness of the fit (None: prior, not fitted)
     samples: int = 0
 
@@ -28,15 +41,153 @@ class CostCoefficients:
 # query token's share of weight traffic at batch 1. Replaced by the fit as soon as possible.
 PRIOR = CostCoefficients(b_model=1e-2, b_tok=1e-4, b_kv=1e-6)
 
+# A bound must never exceed the truth: attention kernels that only read can beat the rate of
+# the copy that measures the bandwidth by a few percent, and small weights partly hit L2.
+BOUND_FRACTION = 0.8
+MIN_R2 = 0.8  # on-line fits on an H200 score 0.92-0.99; the broken ones 0.0003-0.47
+MIN_SHAPES = 6  # distinct (n_tokens, kv_tokens within ~19%) step shapes a fit needs
+# Condition number of the design with unit-norm columns: calibration sweeps ~2-3, on-line mixed
+# steps ~30; a draining `ar` batch (n_tokens and kv_tokens both ~ B) ~2,400, where b_tok and
+# b_kv trade off freely.
+MAX_CONDITION = 1e3
+
+
+@dataclass(frozen=True)
+class CostBounds:
+    """Lower bounds on the coefficients (seconds), from start-up measurements."""
+
+    b_model: float = 0.0
+    b_tok: float = 0.0
+    b_kv: float = 0.0
+
+    @classmethod
+    def from_device(
+        cls, kv_bytes_per_token: float | None, weight_bytes: float | None, bandwidth: float | None
+    ) -> CostBounds:
+        """b_kv >= KV bytes per token / bandwidth, b_model >= weight bytes / bandwidth (the
+        bytes of one shard over its bandwidth, bytes/s), both times ``BOUND_FRACTION``;
+        no bounds where the worker measured no bandwidth (CPU)."""
+        if not bandwidth or bandwidth <= 0:
+            return cls()
+        return cls(
+            b_model=BOUND_FRACTION * (weight_bytes or 0.0) / bandwidth,
+            b_kv=BOUND_FRACTION * (kv_bytes_per_token or 0.0) / bandwidth,
+        )
+
+    def clamp(self, coef: CostCoefficients) -> CostCoefficients:
+        return CostCoefficients(
+            max(coef.b_model, self.b_model),
+            max(coef.b_tok, self.b_tok),
+            max(coef.b_kv, self.b_kv),
+            coef.r2,
+            coef.samples,
+        )
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.b_model, self.b_tok, self.b_kv])
+
+
+@dataclass(frozen=True)
+class KVReads:
+    """KV read by one row of a step, in KV tokens (one token's K and V in every layer), so that
+    b_kv is a per-byte rate and the physics bound applies to it.
+
+    A row over c tokens of context reads c in every layer: c. A draft row reads its sparse list
+    S_i in every layer but the refresh layer l_r; where the policy refreshes while drafting,
+    l_r attends over the full list (K and V) and scores its pages (K again, half the bytes):
+    ((L - 1) * |S_i| + 1.5 * c) / L. At 32k context, 24 layers and |S_i| = 2,304 tokens that is
+    3,573 KV tokens, 1.55x the sparse list alone. Scoring a verify row's first and last query
+    (c / L more, ~4%) is left out: it is proportional to c, so b_kv absorbs it.
+    """
+
+    num_layers: int
+    refresh_while_drafting: bool
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+
+    def draft(self, sparse_tokens: int, context_tokens: int) -> float:
+        if not self.refresh_while_drafting:
+            return float(sparse_tokens)
+        n = self.num_layers
+        return ((n - 1) * sparse_tokens + 1.5 * context_tokens) / n
+
+    @staticmethod
+    def full(context_tokens: int) -> float:
+        """A verify row or prefill chunk: the full list in every layer."""
+        return float(context_tokens)
+
+
+@dataclass
+class PredictionErrors:
+    """Relative error (predicted - measured) / measured of the model in force at each step, by
+    step kind ("draft", "verify", "mixed" draft + verify, "prefill": any prefill row)."""
+
+    steps: dict[str, int] = field(default_factory=dict)
+    abs_sum: dict[str, float] = field(default_factory=dict)  # sum of |relative error|
+    sum: dict[str, float] = field(default_factory=dict)  # sum of relative error (bias)
+
+    def record(self, kind: str, predicted: float, measured: float) -> None:
+        if measured <= 0 or not math.isfinite(predicted):
+            return
+        err = (predicted - measured) / measured
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        self.abs_sum[kind] = self.abs_sum.get(kind, 0.0) + abs(err)
+        self.sum[kind] = self.sum.get(kind, 0.0) + err
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """kind -> steps, mean_abs (mean |relative error|), mean (bias; > 0: over-predicts),
+        plus the sums, so that a caller can difference two snapshots over a window."""
+        return {
+            k: {
+                "steps": n,
+                "mean_abs": self.abs_sum[k] / n,
+                "mean": self.sum[k] / n,
+                "abs_sum": self.abs_sum[k],
+                "sum": self.sum[k],
+            }
+            for k, n in sorted(self.steps.items())
+        }
+
 
 class CostModel:
-    def __init__(self, window: int = 2048, min_samples: int = 16,
-                 prior: CostCoefficients = PRIOR) -> None:
-        self.coef = prior
+    """The coefficients in force (``coef``), the prior they fall back to, and the sample window.
+
+    Call order: ``set_prior`` once after start-up calibration (optional); ``predict`` /
+    ``add_sample`` every step; ``fit`` every few steps.
+    """
+
+    def __init__(
+        self,
+        window: int = 2048,
+        min_samples: int = 16,
+        prior: CostCoefficients = PRIOR,
+        bounds: CostBounds | None = None,
+        min_r2: float = MIN_R2,
+        min_shapes: int = MIN_SHAPES,
+    ) -> None:
+        self.bounds = bounds or CostBounds()
         self.min_samples = min_samples
+        self.min_r2 = min_r2
+        self.min_shapes = min_shapes
+        self.prior = self.bounds.clamp(prior)
+        self.coef = self.prior
+        self.status = "prior"  # "fit", "prior" or "prior: <why the last fit was refused>"
+        self.fallbacks = 0  # fits refused (coefficients set back to the prior)
+        self.errors = PredictionErrors()
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
 
-    def add_sample(self, n_tokens: int, kv_tokens: int, seconds: float) -> None:
+    @property
+    def fitted(self) -> bool:
+        return self.status == "fit"
+
+    def set_prior(self, coef: CostCoefficients) -> None:
+        """The calibrated prior (the start-up fit of this deployment), also put in force."""
+        self.prior = self.bounds.clamp(coef)
+        self.coef = self.prior
+
+    def add_sample(self, n_tokens: float, kv_tokens: float, seconds: float) -> None:
         self._samples.append((float(n_tokens), float(kv_tokens), float(seconds)))
 
     @property
@@ -44,44 +195,102 @@ class CostModel:
         return len(self._samples)
 
     def fit(self) -> CostCoefficients:
-        """Refit from the sample window; keeps the old coefficients if the data can't identify
-        all three terms or gives a negative one."""
+        """Refit from the sample window (bounded least squares). With fewer than min_samples
+        samples nothing changes; a refused fit puts the prior back in force."""
         if len(self._samples) < self.min_samples:
             return self.coef
         data = np.array(self._samples)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         y = data[:, 2]
-        if np.linalg.matrix_rank(x) < 3:
+        why = self._unidentifiable(data, x)
+        if why is None:
+            beta = _bounded_lstsq(x, y, self.bounds.as_array())
+            pred = x @ beta
+            r2 = _r2(y, pred)
+            if not (pred > 0).all():
+                why = "predicts steps of no cost"
+            elif r2 < self.min_r2:
+                why = f"r2 {r2:.3f} < {self.min_r2}"
+        if why is not None:
+            self.coef, self.status = self.prior, f"prior: {why}"
+            self.fallbacks += 1
             return self.coef
-        beta, *_ = np.linalg.lstsq(x, y, rcond=None)
-        if (beta < 0).any():
-            beta = _nonnegative_lstsq(x, y)
-        resid = y - x @ beta
-        total = ((y - y.mean()) ** 2).sum()
-        r2 = 1.0 - (resid**2).sum() / total if total > 0 else 1.0
         self.coef = CostCoefficients(*map(float, beta), r2=float(r2), samples=len(data))
+        self.status = "fit"
         return self.coef
 
-    def draft_verify_ratio(self, batch: int, sparse_tokens: int, drafts: int,
-                           context_tokens: int) -> float:
-        """c_i for a homogeneous batch of B requests like request i."""
+    def _unidentifiable(self, data: np.ndarray, x: np.ndarray) -> str | None:
+        """Why these samples cannot pin down three terms, or None."""
+        kv_bucket = np.round(4 * np.log2(1.0 + data[:, 1]))  # quarter octaves
+        shapes = len(np.unique(np.column_stack([data[:, 0], kv_bucket]), axis=0))
+        if shapes < self.min_shapes:
+            return f"{shapes} distinct step shapes < {self.min_shapes}"
+        norms = np.linalg.norm(x, axis=0)
+        if (norms == 0).any():
+            return "a feature is always 0"
+        cond = np.linalg.cond(x / norms)
+        if not cond <= MAX_CONDITION:
+            return f"ill-conditioned design (condition {cond:.3g})"
+        return None
+
+    def predict(self, n_tokens: float, kv_tokens: float) -> float:
+        return self.coef.predict(n_tokens, kv_tokens)
+
+    def draft_verify_ratio(
+        self, batch: int, draft_kv_tokens: float, drafts: int, context_tokens: int
+    ) -> float:
+        """c_i for a homogeneous batch of B requests like request i; draft_kv_tokens is one
+        draft row's KV read (``KVReads.draft``). Coefficients that predict no cost (a verify
+        step of time <= 0) give 1: drafting no cheaper than verifying."""
         b = self.coef
-        t_draft = b.b_model + b.b_tok * batch + b.b_kv * batch * sparse_tokens
+        t_draft = b.b_model + b.b_tok * batch + b.b_kv * batch * draft_kv_tokens
         t_verify = b.b_model + b.b_tok * batch * (drafts + 1) + b.b_kv * batch * context_tokens
+        if not t_verify > 0:
+            return 1.0
         return t_draft / t_verify
 
+    def summary(self) -> dict:
+        """For engine stats: the coefficients in force, where they come from, the bounds, the
+        prior and the prediction error by step kind."""
+        c, p, lb = self.coef, self.prior, self.bounds
+        return {
+            "b_model": c.b_model,
+            "b_tok": c.b_tok,
+            "b_kv": c.b_kv,
+            "r2": c.r2,
+            "samples": self.num_samples,
+            "status": self.status,
+            "fallbacks": self.fallbacks,
+            "prior": {"b_model": p.b_model, "b_tok": p.b_tok, "b_kv": p.b_kv, "r2": p.r2},
+            "bounds": {"b_model": lb.b_model, "b_tok": lb.b_tok, "b_kv": lb.b_kv},
+            "prediction_error": self.errors.summary(),
+        }
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with beta >= 0 over 3 unknowns: best over all active sets (2^3 = 8)."""
-    best, best_err = np.zeros(3), float("inf")
+
+def _r2(y: np.ndarray, pred: np.ndarray) -> float:
+    """Coefficient of determination; times that do not vary (to rounding) are explained
+    perfectly by a fit that matches them, and not at all otherwise."""
+    scale = float((y**2).sum())
+    total = float(((y - y.mean()) ** 2).sum())
+    resid = float(((y - pred) ** 2).sum())
+    if total <= 1e-12 * scale:
+        return 1.0 if resid <= 1e-12 * scale else 0.0
+    return 1.0 - resid / total
+
+
+def _bounded_lstsq(x: np.ndarray, y: np.ndarray, lower: np.ndarray) -> np.ndarray:
+    """Least squares with beta >= lower over 3 unknowns: beta = lower + z, z >= 0, the best of
+    all active sets (2^3 = 8; the optimum is the unconstrained solution on its own support)."""
+    r = y - x @ lower
+    best, best_err = np.zeros(3), float((r**2).sum())  # the empty support: beta = lower
     for mask in range(1, 8):
         cols = [i for i in range(3) if mask >> i & 1]
-        sub, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        sub, *_ = np.linalg.lstsq(x[:, cols], r, rcond=None)
         if (sub < 0).any():
             continue
-        beta = np.zeros(3)
-        beta[cols] = sub
-        err = float(((y - x @ beta) ** 2).sum())
+        z = np.zeros(3)
+        z[cols] = sub
+        err = float(((r - x @ z) ** 2).sum())
         if err < best_err:
-            best, best_err = beta, err
-    return best
+            best, best_err = z, err
+    return lower + best

@@ -3,6 +3,11 @@
 Every step, each decoding request gets one action: DRAFT (one more sparse draft token),
 VERIFY (verify its d pending drafts; d = 0 is a plain autoregressive step) or IDLE (only in
 synchronized modes, while it waits for the rest of the batch to finish drafting).
+
+gamma = 0 is never absorbing (``aspire``): a verification with d = 0 teaches neither alpha nor
+the cost model anything about drafting, so a request whose target stayed 0 for ``probe_every``
+verifications drafts one probe token (docs/speculation.md says why a probe, not an optimistic
+alpha).
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import math
 from typing import TYPE_CHECKING
 
 from aspire_ray.config import SpecConfig
+from aspire_ray.plan import RowKind, RowPlan
 
 from .acceptance import optimal_gamma, update_alpha
-from .cost_model import CostModel
+from .cost_model import CostModel, KVReads
 
 if TYPE_CHECKING:  # spec never imports the engine at run time
     from aspire_ray.engine.request import Request
@@ -27,10 +33,14 @@ class Action(enum.Enum):
 
 
 class DraftPolicy:
-    def __init__(self, cfg: SpecConfig, cost_model: CostModel, page_size: int) -> None:
+    def __init__(self, cfg: SpecConfig, cost_model: CostModel | None, page_size: int,
+                 num_layers: int) -> None:
         self.cfg = cfg
         self.cost_model = cost_model
         self.page_size = page_size
+        self.kv_reads = KVReads(num_layers, cfg.refresh_while_drafting)
+        # verifications with drafts after >= probe_every plain ones: the probes (aspire)
+        self.num_probes = 0
 
     def on_admit(self, req: Request) -> None:
         req.alpha = self.cfg.alpha_init
@@ -42,6 +52,17 @@ class DraftPolicy:
         k = self.cfg.sparse_budget(pages)
         return k * self.page_size if pages > k else context_len
 
+    def row_kv_tokens(self, row: RowPlan) -> float:
+        """The KV a row reads, in KV tokens (``KVReads``)."""
+        if row.kind == RowKind.DRAFT:
+            return self.kv_reads.draft(self.sparse_tokens(row.context_len), row.context_len)
+        return self.kv_reads.full(row.context_len)
+
+    def step_features(self, rows: list[RowPlan]) -> tuple[int, float]:
+        """(n_tokens, kv_tokens) of a step: the cost model's features, the same for the
+        start-up sweep and the online samples."""
+        return (sum(r.num_tokens for r in rows), sum(self.row_kv_tokens(r) for r in rows))
+
     def target(self, req: Request, batch: int) -> int:
         """The draft length this request aims for before verifying."""
         mode = self.cfg.mode
@@ -51,11 +72,13 @@ class DraftPolicy:
             return req.fsm_gamma
         # aspire: cost-model optimum, at least gamma_init before the first verification
         ctx = req.num_tokens + len(req.drafts)
-        c = self.cost_model.draft_verify_ratio(batch, self.sparse_tokens(ctx), len(req.drafts),
-                                               ctx)
+        draft_kv = self.kv_reads.draft(self.sparse_tokens(ctx), ctx)
+        c = self.cost_model.draft_verify_ratio(batch, draft_kv, len(req.drafts), ctx)
         gamma = optimal_gamma(req.alpha, c, self.cfg.d_max)
         if not req.verified_once:
             gamma = max(gamma, self.cfg.gamma_init)
+        if gamma == 0 and req.plain_verifies >= self.cfg.probe_every:
+            gamma = 1  # probe: one draft, verified next step, feeds alpha and the cost model
         return gamma
 
     def decide(self, reqs: list[Request], caps: list[int]) -> list[Action]:
@@ -74,8 +97,12 @@ class DraftPolicy:
                 for r, t in zip(reqs, targets, strict=True)]
 
     def on_verified(self, req: Request, drafted: int, accepted: int) -> None:
+        """After every verification of the request, d = 0 included."""
         if drafted == 0:
+            req.plain_verifies += 1
             return
+        self.num_probes += int(req.plain_verifies >= self.cfg.probe_every)
+        req.plain_verifies = 0
         req.verified_once = True
         req.alpha = update_alpha(req.alpha, drafted, accepted, self.cfg.alpha_ema)
         if accepted == drafted:

@@ -172,6 +172,15 @@ class Worker:
             "refresh_layer": self.refresh_layer,
             "device_name": torch.cuda.get_device_name(self.device)
             if self.device.type == "cuda" else "cpu",
+            # start-up measurements for the cost model's lower bounds (spec/cost_model.py,
+            # CostBounds): this shard's KV bytes per token over all layers; the weight bytes a
+            # forward reads (all but the input embedding, of which a step gathers only its
+            # rows); the device memory bandwidth in bytes/s (None: not measured, CPU)
+            "kv_bytes_per_token": self.page_bytes() // self.page_size,
+            "weight_bytes": sum(p.numel() * p.element_size()
+                                for name, p in self.model.named_parameters()
+                                if "embed_tokens" not in name),
+            "memory_bandwidth": _memory_bandwidth(self.device),
         }
 
     # ---- one step ----------------------------------------------------------------------------
@@ -358,3 +367,26 @@ class Worker:
         top_k = sampler.i64([s.top_k for s in specs], dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
         return sampler.probs_from_logits(logits, temp, top_k, top_p)
+
+
+def _memory_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float | None:
+    """Device memory bandwidth in bytes/s: the best of a few device-to-device copies of nbytes
+    (bytes read + bytes written over the time); None on CPU or without memory to spare."""
+    if device.type != "cuda":
+        return None
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / best if best > 0 else None

@@ -1,0 +1,75 @@
+"""A worker stand-in for engine tests without a model: it checks every plan the way a worker
+would use it, answers token 0 everywhere, accepts drafts as told and reports a step time from a
+known cost model over the engine's own features."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from aspire_ray.executor.base import Executor
+from aspire_ray.plan import RowKind, RowResult, StepOutput, StepPlan
+from aspire_ray.spec.draft_policy import DraftPolicy
+
+TRUE = (2e-3, 5e-5, 3e-7)  # b_model, b_tok, b_kv the fake device "measures" by default
+
+
+class FakeExecutor(Executor):
+    """seconds(n_tokens, kv_tokens) -> the step time (default: the three-term model TRUE);
+    ``accept``: verify rows accept all their drafts (True) or none (False); ``info``: extra
+    describe() fields (e.g. the start-up measurements)."""
+
+    def __init__(
+        self,
+        cfg,
+        device_name: str = "fake-gpu",
+        num_layers: int = 4,
+        seconds: Callable[[int, float], float] | None = None,
+        info: dict | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device_name = device_name
+        self.num_layers = num_layers
+        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, num_layers)
+        self.seconds = seconds or (lambda n, kv: TRUE[0] + TRUE[1] * n + TRUE[2] * kv)
+        self.info = info or {}
+        self.accept = True
+        self.tables: dict[str, list[int]] = {}
+        self.calls = 0
+
+    def describe(self) -> dict:
+        return {
+            "num_pages": 600,
+            "num_layers": self.num_layers,
+            "vocab_size": 256,
+            "max_position_embeddings": 4096,
+            "eos_token_ids": [],
+            "refresh_layer": 2,
+            "device_name": self.device_name,
+            **self.info,
+        }
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.calls += 1
+        for rid in plan.dropped_req_ids:
+            del self.tables[rid]
+        for rid in plan.new_requests:
+            assert rid not in self.tables
+            self.tables[rid] = []
+        assert len({r.req_id for r in plan.rows}) == len(plan.rows), "two rows of one request"
+        results = []
+        for row in plan.rows:
+            bt = self.tables[row.req_id]
+            del bt[row.pages_keep :]
+            bt.extend(row.pages_new)
+            assert math.ceil(row.context_len / self.cfg.cache.page_size) <= len(bt)
+            if row.kind == RowKind.VERIFY:
+                assert row.num_tokens == row.num_drafts + 1
+                a = row.num_drafts if self.accept else 0
+                results.append(RowResult(row.req_id, row.kind, [0] * (a + 1), a))
+            elif row.kind == RowKind.DRAFT or row.sample:
+                results.append(RowResult(row.req_id, row.kind, [0]))
+            else:
+                results.append(RowResult(row.req_id, row.kind, []))
+        seconds = self.seconds(*self.policy.step_features(plan.rows))
+        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})

@@ -1,0 +1,236 @@
+"""The cost model sees what a step costs (issue 15, item 2): draft rows' refresh-layer reads are
+a feature, the fit is bounded by physics, a poor fit falls back to the calibrated prior, the
+prediction error is tracked by step kind; a fit of all zeros cannot kill the engine (issue 19)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_executor import TRUE, FakeExecutor
+
+from aspire_ray import SamplingParams
+from aspire_ray.config import SpecConfig
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import RowKind, RowPlan
+from aspire_ray.spec.cost_model import (
+    BOUND_FRACTION,
+    PRIOR,
+    CostBounds,
+    CostCoefficients,
+    CostModel,
+    KVReads,
+)
+from aspire_ray.spec.draft_policy import DraftPolicy
+
+
+def _cfg(mode="aspire", calibrate="off", **kw):
+    return build_engine_config(
+        "dummy",
+        load_format="dummy",
+        spec_mode=mode,
+        calibrate=calibrate,
+        k_min=3,
+        recent_pages=1,
+        **kw,
+    )
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _drive(engine: LLMEngine, prompts: int = 4, max_tokens: int = 60, stagger: int = 1) -> None:
+    """Requests of different prompt lengths arriving ``stagger`` steps apart, run to the end."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    pending = [list(range(1, 100 + 37 * i)) for i in range(prompts)]
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % stagger == 0:
+            engine.add_request(f"r{step}", pending.pop(0), params)
+        engine.step()
+        step += 1
+    assert engine.blocks.num_used == 0
+
+
+# ---- features --------------------------------------------------------------------------------
+def test_draft_rows_pay_for_the_refresh_layer():
+    reads = KVReads(num_layers=24, refresh_while_drafting=True)
+    # 32k context, |S| = 2,304 tokens: 23 sparse layers + the full list read and scored at l_r
+    assert reads.draft(2304, 32768) == pytest.approx((23 * 2304 + 1.5 * 32768) / 24)
+    assert KVReads(24, refresh_while_drafting=False).draft(2304, 32768) == 2304
+    assert reads.full(32768) == 32768
+
+    # context 1000: 63 pages, |S| = max(k_min 3, ceil(0.07 * 63)) = 5 pages = 80 tokens
+    rows = [
+        RowPlan("a", RowKind.DRAFT, [0], 999, 0, []),
+        RowPlan("b", RowKind.VERIFY, [0, 0, 0], 500, 0, [], num_drafts=2),
+        RowPlan("c", RowKind.PREFILL, [0] * 64, 0, 0, []),
+    ]
+    refreshed = (3 * 80 + 1.5 * 1000) / 4
+    for mode, draft_kv in (
+        ("aspire", refreshed),
+        ("magicdec", 80.0),
+        ("specattn", 80.0),
+        ("aspire_fixed", refreshed),
+    ):
+        policy = DraftPolicy(SpecConfig(mode=mode, k_min=3, recent_pages=1), None, 16, 4)
+        assert policy.step_features(rows) == (68, pytest.approx(draft_kv + 503 + 64)), mode
+
+
+# ---- physics bounds --------------------------------------------------------------------------
+def test_bounds_from_start_up_measurements():
+    # Qwen2.5-Coder-0.5B on an H200: 12 KiB of KV per token, ~1 GB of weights, ~4 TB/s
+    b = CostBounds.from_device(kv_bytes_per_token=12288, weight_bytes=1e9, bandwidth=4e12)
+    assert b.b_kv == pytest.approx(BOUND_FRACTION * 12288 / 4e12)
+    assert b.b_model == pytest.approx(BOUND_FRACTION * 1e9 / 4e12)
+    assert b.b_tok == 0
+    assert CostBounds.from_device(12288, 1e9, None) == CostBounds()  # not measured (CPU)
+    # the prior obeys the bounds too
+    model = CostModel(prior=CostCoefficients(1e-6, 1e-7, 1e-12), bounds=b)
+    assert model.coef.b_kv == b.b_kv and model.coef.b_model == b.b_model
+
+
+def test_fit_is_bounded_below_by_physics():
+    """Noise that hides the KV term (the unconstrained fit says b_kv = 0) cannot make KV free."""
+    rng = np.random.default_rng(0)
+    bounds = CostBounds(b_model=1e-4, b_kv=1e-10)
+    model = CostModel(bounds=bounds)
+    free = CostModel()
+    for _ in range(200):
+        n = int(rng.integers(1, 512))
+        kv = float(rng.integers(1000, 400_000))
+        t = 4e-3 + 2e-6 * n + rng.normal(0, 2e-5) - 1e-10 * kv  # an (unphysical) negative slope
+        model.add_sample(n, kv, t)
+        free.add_sample(n, kv, t)
+    assert free.fit().b_kv == 0 and free.fitted
+    coef = model.fit()
+    assert model.fitted, model.status
+    assert coef.b_kv == pytest.approx(bounds.b_kv)
+    assert coef.b_model >= bounds.b_model and coef.b_tok == pytest.approx(2e-6, rel=0.05)
+
+
+def test_engine_takes_bounds_from_the_workers_description():
+    cfg = _cfg(calibrate="force")
+    info = {"kv_bytes_per_token": 12288, "weight_bytes": 1e9, "memory_bandwidth": 4e12}
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, info=info))
+    assert engine.cost_model.bounds == CostBounds.from_device(12288, 1e9, 4e12)
+    assert engine.stats()["cost_model"]["bounds"]["b_kv"] == pytest.approx(
+        BOUND_FRACTION * 12288 / 4e12
+    )
+    # the fake device's truth is above the bounds: the calibrated fit recovers it exactly
+    c = engine.cost_model.coef
+    assert (c.b_model, c.b_tok, c.b_kv) == pytest.approx(TRUE, rel=1e-6)
+
+
+# ---- poor fits fall back to the calibrated prior ------------------------------------------
+def _calibrated() -> CostModel:
+    model = CostModel(min_samples=8)
+    model.set_prior(CostCoefficients(2e-3, 5e-5, 3e-7, r2=0.99, samples=40))
+    return model
+
+
+def test_poor_fit_falls_back_to_the_calibrated_prior():
+    rng = np.random.default_rng(1)
+    model = _calibrated()
+    for _ in range(100):  # many shapes, but the times are noise
+        model.add_sample(
+            int(rng.integers(1, 512)),
+            float(rng.integers(100, 500_000)),
+            float(rng.uniform(1e-3, 1e-2)),
+        )
+    assert model.fit() == model.prior and model.status.startswith("prior: r2")
+    assert model.fallbacks == 1 and not model.fitted
+
+
+def test_too_few_shapes_or_collinear_features_fall_back():
+    # a steady `ar` batch: one shape over and over (the trap's window)
+    model = _calibrated()
+    for i in range(64):
+        model.add_sample(64, 64 * (8192 + i), 0.02 + 1e-6 * i)
+    assert model.fit() == model.prior and "distinct step shapes" in model.status
+    # a draining `ar` batch: n_tokens = B and kv_tokens ~ B * 8192: b_tok and b_kv trade off
+    model = _calibrated()
+    for i, b in enumerate(range(64, 0, -1)):
+        model.add_sample(b, b * (8192 + i), 2e-3 + 1e-5 * b)
+    assert model.fit() == model.prior and "ill-conditioned" in model.status
+
+
+def test_good_fit_replaces_the_prior():
+    rng = np.random.default_rng(2)
+    model = _calibrated()
+    truth = CostCoefficients(3e-3, 2e-5, 5e-8)
+    for _ in range(64):
+        n, kv = int(rng.integers(1, 512)), float(rng.integers(100, 500_000))
+        model.add_sample(n, kv, truth.predict(n, kv) * (1 + rng.normal(0, 0.01)))
+    coef = model.fit()
+    assert model.status == "fit" and coef.r2 > 0.99
+    assert coef.b_kv == pytest.approx(truth.b_kv, rel=0.05)
+
+
+# ---- issue 19, defect 2 ----------------------------------------------------------------------
+def test_fit_of_all_zeros_does_not_divide_by_zero():
+    model = CostModel(min_samples=4)
+    for n, kv in ((1, 10), (2, 400), (8, 90), (30, 3000), (64, 70_000), (5, 12), (100, 9e5)):
+        model.add_sample(n, kv, 0.0)
+    assert model.fit() == PRIOR and model.status == "prior: predicts steps of no cost"
+    model.coef = CostCoefficients(0.0, 0.0, 0.0)  # however it got there
+    assert (
+        model.draft_verify_ratio(batch=8, draft_kv_tokens=100, drafts=3, context_tokens=1000) == 1.0
+    )
+
+
+def test_engine_survives_steps_measured_at_zero_seconds():
+    cfg = _cfg(refit_every=4)
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, seconds=lambda n, kv: 0.0))
+    _drive(engine, max_tokens=40)
+    assert engine.healthy and engine.cost_model.fallbacks > 0
+    assert engine.cost_model.draft_verify_ratio(4, 100.0, 0, 1000) > 0
+
+
+def test_verify_row_must_fit_the_token_budget():
+    with pytest.raises(ValueError, match=r"d_max \+ 1 \(65.*max_num_batched_tokens \(32\)"):
+        _cfg(d_max=64, max_num_batched_tokens=32)
+    _cfg(d_max=31, max_num_batched_tokens=32)  # d_max + 1 = 32 fits
+    _cfg(mode="ar", d_max=64, max_num_batched_tokens=32)  # `ar` never drafts
+
+
+# ---- prediction error ------------------------------------------------------------------------
+def test_prediction_error_is_tracked_by_step_kind():
+    cfg = _cfg(calibrate="force")
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    _drive(engine, prompts=5, max_tokens=50, stagger=3)
+    err = engine.stats()["cost_model"]["prediction_error"]
+    assert {"draft", "verify", "mixed", "prefill"} <= set(err)
+    kinds = engine.stats()["step_kinds"]
+    assert err["draft"]["steps"] == kinds["draft"] and err["verify"]["steps"] == kinds["verify"]
+    # the calibrated model is the fake device's truth: no error on any kind of step
+    for kind, e in err.items():
+        assert e["mean_abs"] < 1e-9, kind
+
+    # the built-in prior is wrong about this device, and the error says by how much
+    cfg = _cfg(calibrate="off", refit_every=10_000)
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    _drive(engine, prompts=5, max_tokens=50, stagger=3)
+    err = engine.stats()["cost_model"]["prediction_error"]
+    assert err["verify"]["mean"] > 1.0  # PRIOR's 10 ms per step vs ~2-3 ms measured
+    assert err["verify"]["mean_abs"] == pytest.approx(
+        err["verify"]["abs_sum"] / err["verify"]["steps"]
+    )
+
+
+def test_cpu_worker_describes_its_bytes_and_measures_no_bandwidth(tiny_model_dir):
+    cfg = build_engine_config(
+        tiny_model_dir("llama"), spec_mode="aspire", num_pages=40, calibrate="off"
+    )
+    engine = LLMEngine(cfg)
+    info = engine.info
+    # tiny llama: 4 layers x (K, V) x 2 kv heads x head_dim 16 x fp32
+    assert info["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4
+    # every weight but the input embedding (256 x 64 fp32), which a step gathers rows of
+    params = sum(p.numel() for p in engine.executor.worker.model.parameters())
+    assert info["weight_bytes"] == 4 * (params - 256 * 64)
+    assert info["memory_bandwidth"] is None
+    assert engine.cost_model.bounds == CostBounds()
