@@ -20,30 +20,28 @@ SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
 def _batched(sel: TopKPages, pages: list[int], scores: list[torch.Tensor | None]) -> list:
     """Every row's list through layout + choose_top_pages, with logical page ids as physical."""
-    table = PageScoreTable(torch.device("cpu"), width=4, slots=2)
+    table = PageScoreTable(torch.device("cpu"), width=4, slots=len(pages))
+    table.ensure_width(max(pages) + 3)
+    # the page table: slot r holds logical page ids as physical ones
+    page_table = torch.arange(table.width, dtype=torch.int32).repeat(len(pages), 1)
     p = np.array(pages)
     head_end, n_top, tail_start = sel.layout(p)
     counts = head_end + n_top + p - tail_start
     template, info, has = [], [], []
-    full_at, out_at = 0, 0
+    out_at = 0
     for r, (n, s) in enumerate(zip(pages, scores, strict=True)):
-        slot = table.acquire()
-        table.ensure_width(n + 3)
         if s is not None:
-            table.scores[slot, : len(s)] = s
+            table.scores[r, : len(s)] = s
         template += list(range(head_end[r])) + [-1] * n_top[r] + list(range(tail_start[r], n))
         if n_top[r]:
-            info.append([slot, tail_start[r] - head_end[r], n_top[r], out_at + head_end[r],
-                         full_at + head_end[r]])  # fmt: skip
+            info.append([r, tail_start[r] - head_end[r], n_top[r], out_at + head_end[r]])
             has.append(s is not None)
-        full_at += n
         out_at += counts[r]
     out = torch.tensor(template, dtype=torch.int32)
     if info:
         rows = torch.tensor(info, dtype=torch.int32).T.contiguous()
-        full = torch.cat([torch.arange(n, dtype=torch.int32) for n in pages])
         first = int(sel.cfg.keep_sink_page)
-        out = choose_top_pages(out, full, table, rows, torch.tensor(has), first,
+        out = choose_top_pages(out, page_table, table, rows, torch.tensor(has), first,
                                int(rows[1].max()))  # fmt: skip
     bounds = np.concatenate([[0], np.cumsum(counts)])
     return [out[bounds[r] : bounds[r + 1]].tolist() for r in range(len(pages))]
@@ -74,10 +72,11 @@ def test_streaming_layout_matches_select():
         assert list(range(head_end)) + list(range(tail_start, n)) == sel.select(None, n)
 
 
-def test_score_table_grows_and_recycles_slots():
+def test_score_table_grows_and_keeps_rows():
     table = PageScoreTable(torch.device("cpu"), width=2, slots=1)
-    a, b = table.acquire(), table.acquire()
-    assert {a, b} == {0, 1} and table.scores.shape[0] == 2
+    table.ensure_slots(2)
+    a, b = 0, 1
+    assert table.scores.shape[0] == 2
     table.scores[a, :2] = torch.tensor([1.0, 2.0])
     table.ensure_width(5)
     assert table.width >= 5 and table.scores[a, :2].tolist() == [1.0, 2.0]
@@ -87,8 +86,6 @@ def test_score_table_grows_and_recycles_slots():
                 torch.tensor([b]), torch.tensor([2.0]))  # fmt: skip
     assert table.scores[b, :3].tolist() == [2.0, 2.0, 2.5]
     assert table.scores[a, :2].tolist() == [1.0, 2.0]
-    table.release(a)
-    assert table.acquire() == a
 
 
 def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch):
@@ -113,7 +110,8 @@ def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch):
             for r, row in enumerate(self.rows):
                 if row.kind != worker.RowKind.DRAFT:
                     continue
-                bt = self.worker.requests[row.req_id].block_table.tolist()
+                w = self.worker
+                bt = w.page_table.host[w.requests[row.req_id].slot].tolist()
                 chosen = self.worker.selector.select(scores[row.req_id], -(-row.context_len // ps))
                 assert meta.kv_indices[kvp[r] : kvp[r + 1]].tolist() == [bt[j] for j in chosen]
                 checked[when] += 1

@@ -16,7 +16,7 @@ import torch
 class PageScoreTable:
     """Page scores of the live requests: float32 [slots, width] on the worker's device.
 
-    A request owns one slot (row) while it lives on the worker. Row s holds the request's scores
+    A request's row is its page-table slot (``page_table.py``). Row s holds the request's scores
     for the pages its scoring queries saw, averaged over those queries (DESIGN.md §1.2), and 0
     past them; it is rewritten whole each time the request is scored.
     """
@@ -24,17 +24,11 @@ class PageScoreTable:
     def __init__(self, device: torch.device, width: int = 64, slots: int = 16) -> None:
         self.device = device
         self.scores = torch.zeros(slots, width, dtype=torch.float32, device=device)
-        self.free = list(range(slots - 1, -1, -1))
 
-    def acquire(self) -> int:
-        if not self.free:
-            old = self.scores.shape[0]
-            self._resize(2 * old, self.scores.shape[1])
-            self.free = list(range(2 * old - 1, old - 1, -1))
-        return self.free.pop()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
+    def ensure_slots(self, slots: int) -> None:
+        """Rows for slots [0, slots) (the page table's slot count; called while planning)."""
+        if slots > self.scores.shape[0]:
+            self._resize(slots, self.scores.shape[1])
 
     def ensure_width(self, pages: int) -> None:
         """Make room for requests of ``pages`` pages (called while planning, before any use)."""
@@ -68,20 +62,20 @@ class PageScoreTable:
         return self.scores[slot, :pages]
 
 
-def choose_top_pages(template: torch.Tensor, full_indices: torch.Tensor, table: PageScoreTable,
+def choose_top_pages(template: torch.Tensor, pages: torch.Tensor, table: PageScoreTable,
                      rows: torch.Tensor, has_scores: torch.Tensor, first: int,
                      max_candidates: int) -> torch.Tensor:  # fmt: skip
     """Fill the top-k middle of each listed row's sparse page list; returns a new kv_indices.
 
-    template:     int32 [nnz] the step's sparse kv_indices with every host-known page in place
-    full_indices: int32 [nnz_full] the step's full kv_indices (the physical page ids)
-    rows:         int32 [5, R] per row: score-table slot, candidate count, n_top, offset of the
-                  middle in ``template``, offset of the first candidate in ``full_indices``
+    template:     int32 [nnz] the step's sparse kv_indices with every other page in place
+    pages:        int32 [slots, width] the device page table (physical page ids by slot)
+    rows:         int32 [4, R] per row: slot, candidate count, n_top, offset of the middle in
+                  ``template``
     has_scores:   bool [R] whether the row's request has been scored
     first:        logical index of the first candidate page (the same for every row)
     max_candidates: max over rows of the candidate count (host int, so no sync)
     """
-    slot, n_cand, n_top, dst, src = rows.long().unbind(0)
+    slot, n_cand, n_top, dst = rows.long().unbind(0)
     col = torch.arange(max_candidates, device=template.device)
     vals = table.scores.index_select(0, slot)[:, first : first + max_candidates]
     vals = torch.where(has_scores[:, None], vals, col.float()[None, :])
@@ -90,7 +84,7 @@ def choose_top_pages(template: torch.Tensor, full_indices: torch.Tensor, table: 
     rank_ok = (col[None, :] < n_top[:, None]).expand_as(order)
     chosen = torch.zeros_like(rank_ok).scatter_(1, order, rank_ok)
     pos = chosen.long().cumsum(1) - 1  # ascending page order within the middle
-    phys = full_indices[(src[:, None] + col[None, :]).clamp_(max=full_indices.shape[0] - 1)]
+    phys = pages[slot[:, None], (first + col).clamp_(max=pages.shape[1] - 1)[None, :]]
     nnz = template.shape[0]
     dest = torch.where(chosen, dst[:, None] + pos, nnz)  # unchosen: a dummy slot past the end
     out = torch.cat([template, template.new_zeros(1)])

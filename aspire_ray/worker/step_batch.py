@@ -1,12 +1,14 @@
 """One step's flattened inputs and attention plan (DESIGN.md §1.4: built once, used by every layer).
 
-Built on the host with numpy (no per-token Python loops) and sent to the device in two
+The host plans with numpy over O(rows) numbers (no per-token Python loops) and sends them in two
 asynchronous copies from pooled pinned buffers (``kernels.host.upload``): the int64 token
 inputs (ids, positions, KV slots; padded to the CUDA-graph bucket when graphs run) and one
-int32 buffer holding every page list and index of the step.
-Draft rows' sparse lists are planned here (their lengths depend only on page counts); their
-top-k middles are chosen on the device (``draft_pages``) before the first layer and again after
-the refresh layer has scored pages. Nothing here waits for the device.
+int32 buffer of per-row numbers (page counts, slots, list layouts, offsets). Every page list
+(full, sparse, scoring) is then gathered on the device from the device-resident page table
+(``page_table.py``), so no host array ever holds every listed page.
+Draft rows' sparse lists have lengths that depend only on page counts; their top-k middles are
+chosen on the device (``draft_pages``) before the first layer and again after the refresh layer
+has scored pages. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aspire_ray.kernels.host import offsets, ragged_arange, upload
 from aspire_ray.plan import RowKind, RowPlan
 
 from .draft_pages import choose_top_pages
+from .page_table import ragged_rows
 from .step_attention import ScoringQueries, StepAttention
 
 if TYPE_CHECKING:
@@ -57,19 +60,26 @@ class _Int32Upload:
 
 @dataclass
 class _Lists:
-    """Host arrays of one PagedKVMeta and their upload handles."""
+    """One PagedKVMeta: its host arrays, the upload handles of its offsets and of the per-row
+    numbers its page list is gathered from (``gather``)."""
 
     q_lens: np.ndarray
-    pages: np.ndarray
+    pages: np.ndarray  # [R] listed pages per row
     last: np.ndarray
-    handles: tuple[int, int, int, int]  # qo_indptr, kv_indptr, kv_indices, last_page_len
+    handles: tuple[int, int, int]  # qo_indptr, kv_indptr, kv_last_page_len
+    slots: int  # handle of int32 [R]: each row's page-table slot
+    counts: int  # handle of int32 [R]: ``pages``
 
-    def meta(self, t: list[torch.Tensor], page_size: int) -> PagedKVMeta:
+    def meta(self, t: list[torch.Tensor], kv_indices: torch.Tensor, page_size: int) -> PagedKVMeta:
         h = self.handles
-        return PagedKVMeta(t[h[0]], t[h[1]], t[h[2]], t[h[3]], page_size,
+        return PagedKVMeta(t[h[0]], t[h[1]], kv_indices, t[h[2]], page_size,
                            qo_indptr_host=offsets(self.q_lens).tolist(),
                            kv_indptr_host=offsets(self.pages).tolist(),
                            kv_last_page_len_host=self.last.tolist())  # fmt: skip
+
+    def rows(self, t: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, j) of every listed page, int64 [nnz] each, on the device."""
+        return ragged_rows(t[self.counts], int(self.pages.sum()))
 
 
 class StepBatch:
@@ -84,22 +94,23 @@ class StepBatch:
     def __init__(self, worker: Worker, rows: list[RowPlan],
                  graph_inputs: torch.Tensor | None = None) -> None:  # fmt: skip
         self.worker, self.rows = worker, rows
-        ps, dev = worker.page_size, worker.device
+        ps, dev, table = worker.page_size, worker.device, worker.page_table
+        table.flush()  # the block tables' deltas reach the device before any gather
         reqs = [worker.requests[row.req_id] for row in rows]
         nr = len(rows)
         n = np.fromiter((row.num_tokens for row in rows), np.int64, nr)
         start = np.fromiter((row.start_pos for row in rows), np.int64, nr)
         kind = np.fromiter((int(row.kind) for row in rows), np.int64, nr)
         sample = np.fromiter((row.sample for row in rows), bool, nr)
+        slot = np.fromiter((req.slot for req in reqs), np.int64, nr)
         ctx = start + n
         pages = (ctx + ps - 1) // ps
-        for req, row, p in zip(reqs, rows, pages.tolist(), strict=True):
-            if p > len(req.block_table):
-                raise RuntimeError(f"request {row.req_id}: {len(req.block_table)} pages cannot "
-                                   f"hold {row.context_len} tokens")  # fmt: skip
-        full = np.concatenate([req.block_table.pages[:p]
-                               for req, p in zip(reqs, pages.tolist(), strict=True)])  # fmt: skip
-        full_kvp, tok_kvp = offsets(pages), offsets(n)
+        short = np.nonzero(pages > table.sizes[slot])[0]
+        if len(short):
+            r = int(short[0])
+            raise RuntimeError(f"request {rows[r].req_id}: {table.sizes[slot[r]]} pages cannot "
+                               f"hold {rows[r].context_len} tokens")  # fmt: skip
+        tok_kvp = offsets(n)
         t = int(tok_kvp[-1])
         self.num_tokens = t
         pos = ragged_arange(n) + np.repeat(start, n)
@@ -110,8 +121,7 @@ class StepBatch:
                                     np.int64, t)  # fmt: skip
         tokens[1, :t] = pos
         tokens[2, t:] = -1  # padding tokens: the KV store skips negative slots
-        tokens[2, :t] = full[np.repeat(full_kvp[:-1], n) + pos // ps].astype(np.int64) * ps \
-            + pos % ps  # fmt: skip
+        tokens[2, :t] = table.host[np.repeat(slot, n), pos // ps].astype(np.int64) * ps + pos % ps
         self.tokens = upload(tokens, dev, graph_inputs)
         self.input_ids, self.positions, self.slot_mapping = (x[:t] for x in self.tokens)
 
@@ -122,45 +132,57 @@ class StepBatch:
         up = _Int32Upload()
         h_logits = up.add(np.repeat(tok_kvp[1:] - n_logits, n_logits) + ragged_arange(n_logits))
         last = ctx - (pages - 1) * ps
-        full_lists = _Lists(n, pages, last, (up.add(tok_kvp), up.add(full_kvp), up.add(full),
-                                             up.add(last)))  # fmt: skip
+        h_slot = up.add(slot)
+        full_lists = _Lists(n, pages, last, (up.add(tok_kvp), up.add(offsets(pages)), up.add(last)),
+                            h_slot, up.add(pages))  # fmt: skip
         selector, spec = worker.selector, worker.cfg.spec
         draft = kind == _DRAFT
         self.has_drafts = bool(draft.any())
         if worker.scores is not None:
+            worker.scores.ensure_slots(table.slots)
             worker.scores.ensure_width(int(pages.max()))
         scoring = None
         if selector is not None and selector.uses_scores:
-            scoring = self._plan_scoring(up, reqs, n, kind, sample, ctx, pages, full, full_kvp,
-                                         tok_kvp, spec.refresh_while_drafting)  # fmt: skip
+            scoring = self._plan_scoring(up, slot, n, kind, sample, ctx,
+                                         spec.refresh_while_drafting)  # fmt: skip
         sparse = None
         if self.has_drafts:
             scored_rows = scoring[-1] if scoring is not None else np.zeros(nr, bool)
-            sparse = self._plan_sparse(up, reqs, draft, n, pages, last, full, full_kvp,
-                                       full_lists.handles, scored_rows)  # fmt: skip
+            sparse = self._plan_sparse(up, reqs, slot, draft, n, pages, last, full_lists,
+                                       scored_rows)  # fmt: skip
         if scoring is not None:  # after _plan_sparse, which reads the scores held before
             for r in np.nonzero(scoring[-1])[0].tolist():
                 reqs[r].scored_pages = int(pages[r])
 
         tensors = up.send(dev)
         self.logit_index = tensors[h_logits]
-        meta_full = full_lists.meta(tensors, ps)
-        self.full_indices = meta_full.kv_indices
+        pages_by_slot = table.table
+        row, j = full_lists.rows(tensors)
+        meta_full = full_lists.meta(tensors, pages_by_slot[tensors[h_slot][row], j], ps)
         meta_pre, self._top = meta_full, None
         if sparse is not None:
-            lists, top = sparse
-            meta_pre = lists.meta(tensors, ps)
+            lists, layout, top = sparse
+            row, j = lists.rows(tensors)
+            mid_end, tail_start, row_pages = (tensors[h].long()[row] for h in layout)
+            # middles get a placeholder page (the device choice fills them)
+            logical = torch.where(j >= mid_end, j + tail_start - mid_end,
+                                  torch.minimum(j, row_pages - 1))  # fmt: skip
+            meta_pre = lists.meta(tensors, pages_by_slot[tensors[h_slot][row], logical], ps)
             if top is not None:
                 h_info, first, max_cand, h_pre, h_post = top
                 self._template = meta_pre.kv_indices
-                self._top = (tensors[h_info].view(5, -1), first, max_cand)
+                self._top = (tensors[h_info].view(4, -1), first, max_cand)
                 self._has_post = None if h_post is None else tensors[h_post].bool()
                 meta_pre.kv_indices = self._choose(self._template, tensors[h_pre].bool())
         queries = None
         if scoring is not None:
-            h_idx, q_lists, h_dest, h_slots, h_count, _ = scoring
-            queries = ScoringQueries(tensors[h_idx], q_lists.meta(tensors, ps))
-            self._store = (tensors[h_dest], tensors[h_slots], tensors[h_count].float())
+            h_idx, q_lists, h_slots, h_count, _ = scoring
+            row, j = q_lists.rows(tensors)
+            q_slot = tensors[q_lists.slots].long()[row]
+            queries = ScoringQueries(tensors[h_idx],
+                                     q_lists.meta(tensors, pages_by_slot[q_slot, j], ps))
+            dest = q_slot * worker.scores.width + j
+            self._store = (dest, tensors[h_slots], tensors[h_count].float())
         refresh_full = spec.refresh_while_drafting or not self.has_drafts
         self.attention = StepAttention(
             worker.backend, worker.tp, self.slot_mapping, meta_pre, worker.refresh_layer,
@@ -169,11 +191,11 @@ class StepBatch:
         )
 
     # ---- planning ----------------------------------------------------------------------------
-    def _plan_scoring(self, up, reqs, n, kind, sample, ctx, pages, full, full_kvp, tok_kvp,
-                      score_drafts: bool):  # fmt: skip
+    def _plan_scoring(self, up, slot, n, kind, sample, ctx, score_drafts: bool):
         """Which queries score pages at the refresh layer (DESIGN.md §1.2), and where their
         scores go in the table. Draft rows (when refreshing while drafting): their one query;
-        verify rows: first and last query (averaged); sampling prefill rows: the last token."""
+        verify rows: first and last query (averaged); sampling prefill rows: the last token.
+        Each query lists the pages it sees, gathered on the device."""
         ps = self.worker.page_size
         two = (kind == _VERIFY) & (n > 1)
         one = ((kind == _DRAFT) & score_drafts) | ((kind == _PREFILL) & sample) | \
@@ -185,23 +207,18 @@ class StepBatch:
         local = np.where(two[q_row] & (ragged_arange(n_q) == 0), 0, n[q_row] - 1)
         visible = ctx[q_row] - n[q_row] + 1 + local
         q_pages = (visible + ps - 1) // ps
-        j = ragged_arange(q_pages)
-        indices = full[np.repeat(full_kvp[q_row], q_pages) + j]
         q_last = visible - (q_pages - 1) * ps
         q_lists = _Lists(np.ones(len(q_row), np.int64), q_pages, q_last,
                          (up.add(np.arange(len(q_row) + 1)), up.add(offsets(q_pages)),
-                          up.add(indices), up.add(q_last)))  # fmt: skip
+                          up.add(q_last)), up.add(slot[q_row]), up.add(q_pages))  # fmt: skip
         owners = np.nonzero(n_q)[0]
-        slot = np.zeros(len(n), np.int64)
-        slot[owners] = [reqs[r].slot for r in owners.tolist()]
-        dest = np.repeat(slot[q_row] * self.worker.scores.width, q_pages) + j
-        return (up.add(tok_kvp[q_row] + local), q_lists, up.add(dest), up.add(slot[owners]),
+        tok_kvp = offsets(n)
+        return (up.add(tok_kvp[q_row] + local), q_lists, up.add(slot[owners]),
                 up.add(n_q[owners]), n_q > 0)
 
-    def _plan_sparse(self, up, reqs, draft, n, pages, last, full, full_kvp, full_handles,
-                     scored_rows):  # fmt: skip
-        """Draft rows' lists from the policy's layout, full lists for the other rows. Returns
-        the lists (middles still placeholders) and, if some row has a top-k middle, what the
+    def _plan_sparse(self, up, reqs, slot, draft, n, pages, last, full_lists, scored_rows):
+        """Draft rows' lists from the policy's layout, full lists for the other rows: the
+        layout per row (gathered on the device) and, if some row has a top-k middle, what the
         device choice needs."""
         head_end, n_top, tail_start = self.worker.selector.layout(pages)
         head_end = np.where(draft, head_end, pages)
@@ -209,31 +226,26 @@ class StepBatch:
         tail_start = np.where(draft, tail_start, pages)
         counts = head_end + n_top + (pages - tail_start)
         sparse_kvp = offsets(counts)
-        j = ragged_arange(counts)
-        jump = np.repeat(head_end + n_top, counts)
-        logical = np.where(j >= jump, j + np.repeat(tail_start, counts) - jump,
-                           np.minimum(j, np.repeat(pages, counts) - 1))  # middles: placeholders
-        indices = full[np.repeat(full_kvp[:-1], counts) + logical]
-        lists = _Lists(n, counts, last, (full_handles[0], up.add(sparse_kvp), up.add(indices),
-                                         full_handles[3]))  # fmt: skip
+        h = full_lists.handles
+        lists = _Lists(n, counts, last, (h[0], up.add(sparse_kvp), h[2]), full_lists.slots,
+                       up.add(counts))  # fmt: skip
+        layout = (up.add(head_end + n_top), up.add(tail_start), full_lists.counts)
         top = np.nonzero(n_top > 0)[0]
         if len(top) == 0:
-            return lists, None
-        slot = np.fromiter((reqs[r].slot for r in top.tolist()), np.int64, len(top))
+            return lists, layout, None
         has_pre = np.fromiter((reqs[r].scored_pages > 0 for r in top.tolist()), bool, len(top))
         n_cand = tail_start[top] - head_end[top]
-        info = np.stack([slot, n_cand, n_top[top], sparse_kvp[top] + head_end[top],
-                         full_kvp[top] + head_end[top]])  # fmt: skip
+        info = np.stack([slot[top], n_cand, n_top[top], sparse_kvp[top] + head_end[top]])
         # after the refresh layer only rows whose request it scored can change
         h_post = up.add(has_pre | scored_rows[top]) if scored_rows[top].any() else None
-        return lists, (up.add(info), int(head_end[top[0]]), int(n_cand.max()), up.add(has_pre),
-                       h_post)
+        return lists, layout, (up.add(info), int(head_end[top[0]]), int(n_cand.max()),
+                               up.add(has_pre), h_post)  # fmt: skip
 
     # ---- device choice -------------------------------------------------------------------------
     def _choose(self, template: torch.Tensor, has_scores: torch.Tensor) -> torch.Tensor:
         rows, first, max_cand = self._top
-        return choose_top_pages(template, self.full_indices, self.worker.scores, rows,
-                                has_scores, first, max_cand)  # fmt: skip
+        return choose_top_pages(template, self.worker.page_table.table, self.worker.scores,
+                                rows, has_scores, first, max_cand)  # fmt: skip
 
     def _apply_scores(self, page_scores: torch.Tensor) -> PagedKVMeta:
         """Store the scored requests' page scores; re-choose the draft rows' pages that changed."""

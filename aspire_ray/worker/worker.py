@@ -5,9 +5,9 @@ all their pages, draft rows over their sparse pages; the linear layers run once 
 tokens (``step_batch.py`` flattens the rows and plans attention). On a GPU a decode step
 replays one CUDA graph (``step_graphs.py``), other steps the piecewise graphs of the dense parts
 (``cuda_graphs.py``); every graph and kernel variant is made by ``warmup`` before the first
-real step. Per-request state kept here: block table,
-refresh-layer page scores (a row of a device table) and the draft distributions q of pending
-drafts (sampling only).
+real step. Per-request state kept here: a slot, the request's row of the device-resident page
+table (``page_table.py``) and of the refresh-layer page-score table, and the draft
+distributions q of pending drafts (sampling only).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from aspire_ray.attention import get_backend
@@ -29,6 +28,7 @@ from .cuda_graphs import PiecewiseGraphs
 from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
 from .page_selector import make_selector
+from .page_table import PageTable
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
 
@@ -36,38 +36,12 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_TOKENS = 1024  # steps of more tokens (long prefill chunks) run the eager forward
 
 
-class BlockTable:
-    """A request's physical page ids in order: a growable int32 array (numpy, so that a step's
-    page lists are gathered without per-page Python work)."""
-
-    def __init__(self) -> None:
-        self.pages = np.empty(16, dtype=np.int32)
-        self.size = 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def update(self, keep: int, new: list[int]) -> None:
-        """Truncate to ``keep`` pages, then append ``new``."""
-        size = min(keep, self.size) + len(new)
-        if size > len(self.pages):
-            grown = np.empty(max(size, 2 * len(self.pages)), dtype=np.int32)
-            grown[: self.size] = self.pages[: self.size]
-            self.pages = grown
-        self.pages[min(keep, self.size) : size] = new
-        self.size = size
-
-    def tolist(self) -> list[int]:
-        return self.pages[: self.size].tolist()
-
-
 @dataclass
 class WorkerRequest:
     sampling: SamplingSpec
-    block_table: BlockTable = field(default_factory=BlockTable)
+    slot: int  # this request's row of the page table (and of the score table)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q of pending drafts, [V]
     table: PageScoreTable | None = None  # the worker's score table (scored policies only)
-    slot: int = -1  # this request's row of ``table``
     scored_pages: int = 0  # pages with refresh-layer scores in that row; 0: never scored
 
     @property
@@ -92,6 +66,7 @@ class Worker:
         self.refresh_layer = self._refresh_layer()
         self.kv_caches = self._allocate_kv()
         self.requests: dict[str, WorkerRequest] = {}
+        self.page_table = PageTable(self.device)
         self.scores = PageScoreTable(self.device) \
             if self.selector is not None and self.selector.uses_scores else None  # fmt: skip
         self.graphs = self._graphs()
@@ -191,12 +166,9 @@ class Worker:
             self._drop(rid)
         for rid, spec in plan.new_requests.items():
             self._drop(rid)
-            req = WorkerRequest(spec, table=self.scores)
-            if self.scores is not None:
-                req.slot = self.scores.acquire()
-            self.requests[rid] = req
+            self.requests[rid] = WorkerRequest(spec, self.page_table.acquire(), table=self.scores)
         for row in plan.rows:
-            self.requests[row.req_id].block_table.update(row.pages_keep, row.pages_new)
+            self.page_table.update(self.requests[row.req_id].slot, row.pages_keep, row.pages_new)
         if not plan.rows:
             total = time.perf_counter() - t0
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
@@ -230,8 +202,8 @@ class Worker:
 
     def _drop(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
-        if req is not None and self.scores is not None:
-            self.scores.release(req.slot)
+        if req is not None:
+            self.page_table.release(req.slot)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self) -> None:
