@@ -145,15 +145,38 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
         and not e.is_user_annotation()
     ]
     windows = idle_per_step([s for s, _ in marks], marks[-1][1], busy)
+    kinds = iter(step_kind(rows) for rows, _ in rec.steps[first:])
+    step_kinds = [next(kinds) if r else None for r in ran]
+    kernels = kernel_times(events, [s for s, _ in marks], step_kinds)
     windows = [w for w, r in zip(windows, ran, strict=True) if r]
     out = []
     for (rows, _), (window, b) in zip(rec.steps[first:], windows, strict=True):
-        out.append({"kind": step_kind(rows), "window_s": window / 1e9, "busy_s": b / 1e9})
+        kind = step_kind(rows)
+        out.append({"kind": kind, "window_s": window / 1e9, "busy_s": b / 1e9,
+                    "kernels": kernels.get(kind, {})})  # fmt: skip
     return out
 
 
+def kernel_times(events, starts: list[int], kinds: list[str | None]) -> dict:
+    """GPU time per kernel name and step kind, per step of that kind: kind -> {name: us}."""
+    import bisect
+
+    total: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
+            continue
+        i = bisect.bisect_right(starts, e.start_ns()) - 1
+        if i < 0 or kinds[i] is None or e.name() == STEP_LABEL:
+            continue
+        by_name = total.setdefault(kinds[i], {})
+        by_name[e.name()[:80]] = by_name.get(e.name()[:80], 0.0) + (e.end_ns() - e.start_ns()) / 1e3
+    steps = {k: kinds.count(k) for k in total}
+    return {k: dict(sorted(((n, us / steps[k]) for n, us in v.items()), key=lambda x: -x[1]))
+            for k, v in total.items()}  # fmt: skip
+
+
 def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
-    steps_total = args.warmup + args.steps + args.profile_steps
+    steps_total = args.warmup + args.steps + args.profile_steps + args.cprofile
     kw = {"model": args.model, **extra}  # dummy shapes: model="dummy" and its overrides
     llm = LLM(
         device=args.device,
@@ -199,14 +222,36 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
         }
         for (rows, t), w in zip(rec.steps, walls, strict=True)
     ]
+    if args.cprofile:
+        host_profile(engine, args.cprofile, mode)
     on_gpu = torch.device(args.device).type == "cuda"
     idle = gpu_idle(engine, rec, args.profile_steps) if on_gpu and args.profile_steps else None
+    for kind, names in {p["kind"]: p["kernels"] for p in idle or []}.items():
+        print(f"## GPU time per {kind} step by kernel ({mode}), us", file=sys.stderr)
+        for name, us in list(names.items())[:16]:
+            print(f"{us:9.1f}  {name}", file=sys.stderr)
     llm.shutdown()
     del llm, engine
     gc.collect()
     _empty_cache()
     kinds = summarize(steps, idle, bandwidth)
     return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle}
+
+
+def host_profile(engine, steps: int, mode: str) -> None:
+    """Print the host functions that take a step's time (cProfile over ``steps`` steps)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    print(f"## host profile: {mode}, {steps} steps (seconds summed over them)", file=sys.stderr)
+    stats = pstats.Stats(prof, stream=sys.stderr)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(30)
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -250,6 +295,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--profile-steps", type=int, default=12, help="profiled steps (GPU only)")
+    p.add_argument("--cprofile", type=int, default=0, help="steps under cProfile (stderr)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-batched-tokens", type=int, default=16384)
@@ -265,7 +311,7 @@ def main() -> None:
     _empty_cache()
     extra = {}
     if args.dummy_shapes:  # a pool of just the batch's pages (16-token pages, the default)
-        tokens = args.context + args.warmup + args.steps + args.profile_steps + 64
+        tokens = args.context + args.warmup + args.steps + args.profile_steps + args.cprofile + 64
         extra = dict(
             model="dummy",
             load_format="dummy",
