@@ -69,6 +69,12 @@ class SpecConfig:
     probe_every: int = 16
     # Cost model: refit online every N steps from measured step times.
     refit_every: int = 64
+    # Synchronized modes, greedy batches: once every request drafts, the draft steps left
+    # before the verification run back to back as one plan (a draft chain): drafts commit
+    # nothing, so those steps are known in advance, and the worker feeds each step's drafts
+    # into the next on the device while it plans the next step; one host round trip per chain
+    # instead of one per draft step.
+    draft_chains: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in SPEC_MODES,

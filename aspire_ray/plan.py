@@ -49,6 +49,9 @@ class RowPlan:
     pages_new: list[int]  # ... then append these page ids
     sample: bool = True  # PREFILL: sample a token after the last input token
     num_drafts: int = 0  # VERIFY: d, so token_ids = [x_n, d_1..d_d]
+    # DRAFT: draft this many tokens back to back (a draft chain): the worker feeds each draft
+    # into the next draft step on the device, with no host round trip between them
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,11 @@ class RowPlan:
     @property
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def final_context_len(self) -> int:
+        """KV context after the row's last step (the pages it needs)."""
+        return self.context_len + self.num_steps - 1
 
 
 @dataclass
@@ -72,7 +80,7 @@ class RowResult:
     req_id: str
     kind: RowKind
     # PREFILL (sample) / VERIFY: tokens to commit = accepted drafts + one target token.
-    # DRAFT: [the new draft token]. PREFILL without sample: [].
+    # DRAFT: the new draft tokens (num_steps of them). PREFILL without sample: [].
     tokens: list[int]
     num_accepted: int = 0  # VERIFY: drafts accepted
 

@@ -94,9 +94,9 @@ def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch):
     checked = {"pre": 0, "post": 0}
 
     class Checked(step_batch.StepBatch):
-        def __init__(self, w, rows, graph_inputs=None):
+        def __init__(self, w, rows, graph_inputs=None, input_ids=None):
             before = {r.req_id: _scores(w.requests[r.req_id]) for r in rows}
-            super().__init__(w, rows, graph_inputs)
+            super().__init__(w, rows, graph_inputs, input_ids)
             self._check(self.attention.meta_pre, before, "pre")
 
         def _apply_scores(self, page_scores):

@@ -155,10 +155,10 @@ class LLMEngine:
             req = self.requests.get(row.req_id)
             if req is None or req.status != Status.RUNNING:
                 continue
-            if row.kind == RowKind.DRAFT:
-                req.drafts.append(res.tokens[0])
-                req.metrics.drafted += 1
-                req.metrics.decode_steps += 1
+            if row.kind == RowKind.DRAFT:  # one draft per step of the row (a chain: several)
+                req.drafts += res.tokens
+                req.metrics.drafted += len(res.tokens)
+                req.metrics.decode_steps += len(res.tokens)
                 continue
             if row.kind == RowKind.PREFILL:
                 req.num_computed += row.num_tokens
@@ -241,13 +241,14 @@ class LLMEngine:
             self.timings[k] += v
         kinds = {row.kind for row in rows}
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
-        self.step_kinds[label] += 1
+        steps = max((row.num_steps for row in rows), default=1)  # a draft chain: its steps
+        self.step_kinds[label] += steps
         self.step_seconds[label] += out.timings.get("total", 0.0)
         # tau is the whole worker step: a draft step's page selection, refresh and sampling
         # are part of what drafting costs (~1.7 ms outside the forward at batch 64, H200)
         if rows and "total" in out.timings:
             n_tokens, kv = self.policy.step_features(rows)
-            seconds = out.timings["total"]
+            seconds = out.timings["total"] / steps
             model = self.cost_model
             model.errors.record(_cost_kind(kinds), model.predict(n_tokens, kv), seconds)
             model.add_sample(n_tokens, kv, seconds)

@@ -91,22 +91,30 @@ class Scheduler:
         rows: list[RowPlan] = []
         new_requests = {}
         decoding = [] if self.pause_decoding else [r for r in self.running if not r.in_prefill]
-        actions = dict(zip((r.req_id for r in decoding),
-                           self.policy.decide(decoding, [self.draft_cap(r) for r in decoding]),
-                           strict=True))
+        caps = [self.draft_cap(r) for r in decoding]
+        decided = self.policy.decide(decoding, caps)
+        actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
+        # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
+        # must not delay admissions) and every request is greedy (the worker draws on device)
+        chain = 1
+        if decoding and len(decoding) == len(self.running) and not self.waiting \
+                and all(r.sampling.greedy for r in decoding):  # fmt: skip
+            chain = self.policy.chain_length(decoding, caps, decided)
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             if self.pause_decoding and not req.in_prefill:
                 continue
-            row = self._row_for(req, actions.get(req.req_id), budget)
+            row = self._row_for(req, actions.get(req.req_id), budget, chain)
             if row is None:
                 continue
-            if not self._ensure_pages(req, row.context_len):
+            if not self._ensure_pages(req, row.final_context_len):
                 continue  # req itself was preempted
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # no admissions beside a chain (a request it preempted waits for the next step)
+        while chain == 1 and self.waiting and budget > 0 \
+                and len(self.running) < self.cfg.max_num_seqs:  # fmt: skip
             req = self.waiting[0]
             row = self._row_for(req, None, budget)
             need = self.blocks.pages_for(row.context_len) - len(req.pages)
@@ -125,7 +133,8 @@ class Scheduler:
         self._dropped = []
         return plan
 
-    def _row_for(self, req: Request, action: Action | None, budget: int) -> RowPlan | None:
+    def _row_for(self, req: Request, action: Action | None, budget: int,
+                 chain: int = 1) -> RowPlan | None:  # fmt: skip
         if req.in_prefill or action is None:
             n = min(req.num_tokens - req.num_computed, budget)
             if n <= 0:
@@ -139,7 +148,8 @@ class Scheduler:
             return None
         if action == Action.DRAFT:
             token = req.drafts[-1] if req.drafts else req.last_token
-            return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [])
+            return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [],
+                           num_steps=chain)
         tokens = [req.last_token] + req.drafts
         if len(tokens) > budget:
             return None

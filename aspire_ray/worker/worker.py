@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -173,24 +173,10 @@ class Worker:
             total = time.perf_counter() - t0
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
                                                  "total": total, "refresh": 0.0})
-        num_tokens = sum(row.num_tokens for row in plan.rows)
-        bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
-        # captures come first: they overwrite the bucket's inputs
-        decode = all(row.kind != RowKind.PREFILL and row.num_tokens <= self.max_q
-                     for row in plan.rows)  # fmt: skip
-        whole = bucket is not None and self.step_graphs is not None and decode \
-            and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
-        graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
-        batch = StepBatch(self, plan.rows, graph_inputs)
-        t1 = time.perf_counter()
-        if whole and self.step_graphs.load(bucket, batch.attention):
-            hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
-        elif bucket:
-            hidden = self.graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attention,
-                                self.kv_caches)  # fmt: skip
-        logits = self.model.compute_logits(hidden[batch.logit_index])
+        steps = max(row.num_steps for row in plan.rows)
+        if steps > 1:
+            return self._execute_chain(plan.step_id, plan.rows, steps, t0)
+        logits, batch, t1 = self._forward(plan.rows)
         self._sync()
         t2 = time.perf_counter()
         results = self._sample(plan.rows, logits, batch.logit_offsets)
@@ -199,6 +185,55 @@ class Worker:
         timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "total": t3 - t0,
                    "refresh": batch.attention.refresh_seconds}
         return StepOutput(plan.step_id, results, timings)
+
+    def _forward(self, rows: list[RowPlan], input_ids: torch.Tensor | None = None):
+        """Plan the step and enqueue its forward (no device sync) -> (logits [N, V] float32,
+        the StepBatch, the time planning ended). input_ids: int64 [T] on the device, the
+        step's input tokens when they are not known on the host (a draft chain)."""
+        num_tokens = sum(row.num_tokens for row in rows)
+        bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
+        # captures come first: they overwrite the bucket's inputs
+        decode = all(row.kind != RowKind.PREFILL and row.num_tokens <= self.max_q
+                     for row in rows)  # fmt: skip
+        whole = bucket is not None and self.step_graphs is not None and decode \
+            and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
+        graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
+        batch = StepBatch(self, rows, graph_inputs, input_ids)
+        t1 = time.perf_counter()
+        if whole and self.step_graphs.load(bucket, batch.attention):
+            hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
+        elif bucket:
+            hidden = self.graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attention,
+                                self.kv_caches)  # fmt: skip
+        return self.model.compute_logits(hidden[batch.logit_index]), batch, t1
+
+    def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int,
+                       t0: float) -> StepOutput:  # fmt: skip
+        """A draft chain: ``steps`` greedy draft steps of the same rows back to back. Step s
+        drafts at position start_pos + s from step s - 1's drafts, which stay on the device:
+        the host plans step s + 1 while the GPU runs step s, and syncs once, at the end."""
+        for row in rows:
+            if row.kind != RowKind.DRAFT or row.num_steps != steps \
+                    or not self.requests[row.req_id].sampling.greedy:  # fmt: skip
+                raise ValueError(f"a draft chain holds greedy draft rows of {steps} steps only, "
+                                 f"got {row.kind.name} row {row.req_id!r} of {row.num_steps}")
+        inputs, drafts, refresh = None, [], 0.0
+        for s in range(steps):
+            sub = [replace(row, start_pos=row.start_pos + s, num_steps=1) for row in rows]
+            logits, batch, _ = self._forward(sub, inputs)
+            inputs = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
+            drafts.append(inputs)
+            refresh += batch.attention.refresh_seconds
+        t1 = time.perf_counter()
+        tokens = torch.stack(drafts, dim=1).tolist()  # the chain's one device sync
+        t2 = time.perf_counter()
+        results = [RowResult(row.req_id, RowKind.DRAFT, toks)
+                   for row, toks in zip(rows, tokens, strict=True)]  # fmt: skip
+        timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0, "total": t2 - t0,
+                   "refresh": refresh}
+        return StepOutput(step_id, results, timings)
 
     def _drop(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
