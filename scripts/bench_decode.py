@@ -45,6 +45,15 @@ DUMMY_SHAPES = {
 }
 
 
+def mode_options(mode: str) -> tuple[str, dict]:
+    """A benchmark mode -> (spec mode, LLM options): "MODE/nochain" is MODE without draft
+    chains (SpecConfig.draft_chains), to compare both in one run."""
+    spec_mode, _, variant = mode.partition("/")
+    if variant not in ("", "nochain"):
+        raise SystemExit(f"unknown mode variant {variant!r} in {mode!r} (known: nochain)")
+    return spec_mode, {"draft_chains": variant != "nochain"}
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
@@ -202,9 +211,10 @@ def main() -> None:
         for mode in modes:
             kw = {"model": args.model, "load_format": args.load_format, **extra}
             max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
-            llm = LLM(device=args.device, dtype=args.dtype, spec_mode=mode,
+            spec_mode, options = mode_options(mode)
+            llm = LLM(device=args.device, dtype=args.dtype, spec_mode=spec_mode,
                       attention_backend=args.attention_backend, max_num_seqs=max_seqs,
-                      max_num_batched_tokens=args.max_batched_tokens, **kw)
+                      max_num_batched_tokens=args.max_batched_tokens, **options, **kw)
             tok = llm.tokenizer
             if args.batch != "max":
                 batch = int(args.batch)

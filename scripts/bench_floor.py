@@ -24,7 +24,7 @@ import sys
 import time
 
 import torch
-from bench_decode import DUMMY_SHAPES, _empty_cache, prefill_batch, random_prompts
+from bench_decode import DUMMY_SHAPES, _empty_cache, mode_options, prefill_batch, random_prompts
 from floor_report import (
     SPLIT,
     Row,
@@ -57,7 +57,8 @@ class Recorder:
     def execute(self, plan):
         out = self.inner.execute(plan)
         rows = [
-            Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts) for r in plan.rows
+            Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts, r.num_steps)
+            for r in plan.rows
         ]
         self.steps.append((rows, dict(out.timings)))
         return out
@@ -145,20 +146,26 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
         and not e.is_user_annotation()
     ]
     windows = idle_per_step([s for s, _ in marks], marks[-1][1], busy)
-    kinds = iter(step_kind(rows) for rows, _ in rec.steps[first:])
-    step_kinds = [next(kinds) if r else None for r in ran]
+    kinds = iter((step_kind(rows), chain_steps(rows)) for rows, _ in rec.steps[first:])
+    step_kinds = [next(kinds) if r else (None, 1) for r in ran]
     kernels = kernel_times(events, [s for s, _ in marks], step_kinds)
     windows = [w for w, r in zip(windows, ran, strict=True) if r]
     out = []
     for (rows, _), (window, b) in zip(rec.steps[first:], windows, strict=True):
-        kind = step_kind(rows)
-        out.append({"kind": kind, "window_s": window / 1e9, "busy_s": b / 1e9,
+        kind, k = step_kind(rows), chain_steps(rows)
+        out.append({"kind": kind, "window_s": window / 1e9 / k, "busy_s": b / 1e9 / k,
                     "kernels": kernels.get(kind, {})})  # fmt: skip
     return out
 
 
-def kernel_times(events, starts: list[int], kinds: list[str | None]) -> dict:
-    """GPU time per kernel name and step kind, per step of that kind: kind -> {name: us}."""
+def chain_steps(rows) -> int:
+    """Decode steps one plan stands for: a draft chain's steps (RowPlan.num_steps), else 1."""
+    return max((r.num_steps for r in rows), default=1)
+
+
+def kernel_times(events, starts: list[int], kinds: list[tuple[str | None, int]]) -> dict:
+    """GPU time per kernel name and step kind, per step of that kind: kind -> {name: us}.
+    kinds: per engine step, its kind and the decode steps it stands for (a draft chain)."""
     import bisect
 
     total: dict[str, dict[str, float]] = {}
@@ -166,11 +173,11 @@ def kernel_times(events, starts: list[int], kinds: list[str | None]) -> dict:
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
             continue
         i = bisect.bisect_right(starts, e.start_ns()) - 1
-        if i < 0 or kinds[i] is None or e.name() == STEP_LABEL:
+        if i < 0 or kinds[i][0] is None or e.name() == STEP_LABEL:
             continue
-        by_name = total.setdefault(kinds[i], {})
+        by_name = total.setdefault(kinds[i][0], {})
         by_name[e.name()[:80]] = by_name.get(e.name()[:80], 0.0) + (e.end_ns() - e.start_ns()) / 1e3
-    steps = {k: kinds.count(k) for k in total}
+    steps = {k: sum(n for kind, n in kinds if kind == k) for k in total}
     return {k: dict(sorted(((n, us / steps[k]) for n, us in v.items()), key=lambda x: -x[1]))
             for k, v in total.items()}  # fmt: skip
 
@@ -178,10 +185,12 @@ def kernel_times(events, starts: list[int], kinds: list[str | None]) -> dict:
 def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     steps_total = args.warmup + args.steps + args.profile_steps + args.cprofile
     kw = {"model": args.model, **extra}  # dummy shapes: model="dummy" and its overrides
+    spec_mode, options = mode_options(mode)
     llm = LLM(
         device=args.device,
         dtype=args.dtype,
-        spec_mode=mode,
+        spec_mode=spec_mode,
+        **options,
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens,
         calibrate=args.calibrate,
@@ -214,11 +223,12 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     steps = [
         {
             "kind": step_kind(rows),
-            "wall_s": w,
+            "chain": chain_steps(rows),
+            "wall_s": w / chain_steps(rows),
             "rows": len(rows),
             "tokens": sum(r.num_tokens for r in rows),
             "bytes": count_bytes(rows),
-            "worker_s": {k: t[k] for k in SPLIT if k in t},
+            "worker_s": {k: t[k] / chain_steps(rows) for k in SPLIT if k in t},
         }
         for (rows, t), w in zip(rec.steps, walls, strict=True)
     ]
@@ -291,7 +301,8 @@ def main() -> None:
     )
     p.add_argument("--context", type=int, default=8000, help="prompt tokens per request")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--modes", default="ar,magicdec,aspire_fixed,aspire")
+    p.add_argument("--modes", default="ar,magicdec,aspire_fixed,aspire",
+                   help="spec modes; MODE/nochain runs MODE without draft chains")
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--profile-steps", type=int, default=12, help="profiled steps (GPU only)")

@@ -24,6 +24,7 @@ class Row(NamedTuple):
     context_len: int  # tokens of KV the row attends to, its own inputs included
     num_tokens: int  # query tokens
     num_drafts: int = 0  # verify rows: d (0: a plain autoregressive step)
+    num_steps: int = 1  # draft rows of a draft chain: its steps (bytes are per step)
 
 
 def weight_bytes(shapes: Iterable[tuple[str, Sequence[int]]], n_tokens: int, elem: int) -> int:
@@ -132,7 +133,7 @@ def summarize(steps: list[dict], profile: list[dict] | None, bandwidth: float) -
         floor = nbytes["total"] / bandwidth
         names = dict.fromkeys(n for s in mine for n in s["worker_s"])
         k = {
-            "steps": len(mine),
+            "steps": sum(s.get("chain", 1) for s in mine),  # a draft chain counts its steps
             "wall_ms": 1e3 * wall,
             "rows": median(s["rows"] for s in mine),
             "tokens": median(s["tokens"] for s in mine),
