@@ -88,15 +88,17 @@ def test_score_table_grows_and_keeps_rows():
     assert table.scores[a, :2].tolist() == [1.0, 2.0]
 
 
-def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fixed"])  # aspire_fixed: draft chains too
+def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch, mode):
     """Every draft row of every step, before and after the refresh layer, lists exactly the
     pages ``TopKPages.select`` picks from the request's scores at that moment."""
     checked = {"pre": 0, "post": 0}
 
     class Checked(step_batch.StepBatch):
-        def __init__(self, w, rows, graph_inputs=None, input_ids=None):
+        def __init__(self, w, rows, graph_inputs=None, input_ids=None, shift=0):
             before = {r.req_id: _scores(w.requests[r.req_id]) for r in rows}
-            super().__init__(w, rows, graph_inputs, input_ids)
+            self.shift = shift  # a draft chain's step
+            super().__init__(w, rows, graph_inputs, input_ids, shift)
             self._check(self.attention.meta_pre, before, "pre")
 
         def _apply_scores(self, page_scores):
@@ -112,12 +114,13 @@ def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch):
                     continue
                 w = self.worker
                 bt = w.page_table.host[w.requests[row.req_id].slot].tolist()
-                chosen = self.worker.selector.select(scores[row.req_id], -(-row.context_len // ps))
+                pages = -(-(row.context_len + self.shift) // ps)
+                chosen = self.worker.selector.select(scores[row.req_id], pages)
                 assert meta.kv_indices[kvp[r] : kvp[r + 1]].tolist() == [bt[j] for j in chosen]
                 checked[when] += 1
 
     monkeypatch.setattr(worker, "StepBatch", Checked)
-    cfg = build_engine_config(tiny_model_dir("llama"), spec_mode="aspire",
+    cfg = build_engine_config(tiny_model_dir("llama"), spec_mode=mode,
                               max_num_batched_tokens=64, num_pages=120, **SPARSE)  # fmt: skip
     prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=3)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4

@@ -89,19 +89,20 @@ class StepBatch:
     padded graph bucket (ids 0, positions 0, slots -1 past T); input_ids, positions and
     slot_mapping are its [T] views. logit_index: int32 [N] tokens whose logits are needed;
     logit_offsets: [R + 1] host offsets of each row's logits among them. input_ids: int64 [T]
-    on the device, replacing the rows' host token ids (which are then placeholders).
+    on the device, replacing the rows' host token ids (which are then placeholders); shift:
+    added to every row's start_pos (step s of a draft chain plans its rows with shift s).
     """
 
     def __init__(self, worker: Worker, rows: list[RowPlan],
                  graph_inputs: torch.Tensor | None = None,
-                 input_ids: torch.Tensor | None = None) -> None:  # fmt: skip
+                 input_ids: torch.Tensor | None = None, shift: int = 0) -> None:  # fmt: skip
         self.worker, self.rows = worker, rows
         ps, dev, table = worker.page_size, worker.device, worker.page_table
         table.flush()  # the block tables' deltas reach the device before any gather
         reqs = [worker.requests[row.req_id] for row in rows]
         nr = len(rows)
         n = np.fromiter((row.num_tokens for row in rows), np.int64, nr)
-        start = np.fromiter((row.start_pos for row in rows), np.int64, nr)
+        start = np.fromiter((row.start_pos for row in rows), np.int64, nr) + shift
         kind = np.fromiter((int(row.kind) for row in rows), np.int64, nr)
         sample = np.fromiter((row.sample for row in rows), bool, nr)
         slot = np.fromiter((req.slot for req in reqs), np.int64, nr)
@@ -111,7 +112,7 @@ class StepBatch:
         if len(short):
             r = int(short[0])
             raise RuntimeError(f"request {rows[r].req_id}: {table.sizes[slot[r]]} pages cannot "
-                               f"hold {rows[r].context_len} tokens")  # fmt: skip
+                               f"hold {rows[r].context_len + shift} tokens")  # fmt: skip
         tok_kvp = offsets(n)
         t = int(tok_kvp[-1])
         self.num_tokens = t

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -186,10 +186,12 @@ class Worker:
                    "refresh": batch.attention.refresh_seconds}
         return StepOutput(plan.step_id, results, timings)
 
-    def _forward(self, rows: list[RowPlan], input_ids: torch.Tensor | None = None):
+    def _forward(self, rows: list[RowPlan], input_ids: torch.Tensor | None = None,
+                 shift: int = 0):  # fmt: skip
         """Plan the step and enqueue its forward (no device sync) -> (logits [N, V] float32,
         the StepBatch, the time planning ended). input_ids: int64 [T] on the device, the
-        step's input tokens when they are not known on the host (a draft chain)."""
+        step's input tokens when they are not known on the host, and shift: added to the rows'
+        start_pos (step ``shift`` of a draft chain)."""
         num_tokens = sum(row.num_tokens for row in rows)
         bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
         # captures come first: they overwrite the bucket's inputs
@@ -198,7 +200,7 @@ class Worker:
         whole = bucket is not None and self.step_graphs is not None and decode \
             and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
-        batch = StepBatch(self, rows, graph_inputs, input_ids)
+        batch = StepBatch(self, rows, graph_inputs, input_ids, shift)
         t1 = time.perf_counter()
         if whole and self.step_graphs.load(bucket, batch.attention):
             hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
@@ -221,8 +223,7 @@ class Worker:
                                  f"got {row.kind.name} row {row.req_id!r} of {row.num_steps}")
         inputs, drafts, refresh = None, [], 0.0
         for s in range(steps):
-            sub = [replace(row, start_pos=row.start_pos + s, num_steps=1) for row in rows]
-            logits, batch, _ = self._forward(sub, inputs)
+            logits, batch, _ = self._forward(rows, inputs, shift=s)
             inputs = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
             drafts.append(inputs)
             refresh += batch.attention.refresh_seconds
