@@ -1,14 +1,18 @@
 """Build an offline bundle for a GPU host without network: wheels + model, split in chunks.
 
-    python scripts/offline_bundle.py --out /tmp/bundle --chunk-mb 49
+    python scripts/offline_bundle.py --out /tmp/bundle --chunk-mb 49 \
+        [--model qwen2.5-coder-0.5b-instruct]   # default: smollm2-135m-instruct
     # copy /tmp/bundle to the host (chunks of <= 49 MB), then there:
     bash /tmp/bundle/install.sh /opt/aspire_site    # prints the PYTHONPATH to export
 
 What goes in: the aspire-ray wheel; Ray without its Java jars and the libraries we do not use
 (rllib, tune, train, data) as a .tar.xz; the pure wheels the usual GPU image lacks (pydantic,
-fastapi/uvicorn, the Ray Serve dependencies); optionally flashinfer; the default model's GGUF
-file and the `gguf` reader. Torch, triton and transformers are expected on the host (they are
-multi-GB and come with the image). Every file is split into chunks of at most --chunk-mb and
+fastapi/uvicorn, the Ray Serve dependencies); optionally flashinfer; one model's GGUF file
+(--model: an alias, assembled from its PyPI parts if need be, or a .gguf path; the default
+model unless --no-model) and the `gguf` reader. On the host, load the model by its path,
+SITE/models/<file>.gguf (an alias's file keeps its alias's stop tokens when loaded by path).
+Torch, triton and transformers are expected on the host (they are multi-GB and come with the
+image). Every file is split into chunks of at most --chunk-mb and
 listed with its sha256 in manifest.json; install.sh reassembles and checks them.
 """
 
@@ -68,18 +72,30 @@ def slim_ray(wheel: Path, dest: Path) -> Path:
     return out
 
 
+def stage_model(model: str, staging: Path) -> Path:
+    """Copy a model's GGUF file (an alias's, assembled once from its PyPI parts, or a path)
+    into the staging folder."""
+    from aspire_ray.model.loader import resolve_alias
+
+    src = Path(resolve_alias(model)).expanduser()
+    if src.suffix != ".gguf" or not src.is_file():
+        raise SystemExit(f"--model {model!r}: expected an alias or a .gguf file, got {src}")
+    return Path(shutil.copy(src, staging / src.name))
+
+
 def split(path: Path, chunk: int) -> dict:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    """Split a file into chunks of at most ``chunk`` bytes beside it (streamed: a model file
+    may be larger than memory allows twice); the file itself is removed."""
+    digest = hashlib.sha256()
     parts = []
     with path.open("rb") as f:
-        i = 0
         while block := f.read(chunk):
-            part = path.with_name(f"{path.name}.part{i:03d}")
+            digest.update(block)
+            part = path.with_name(f"{path.name}.part{len(parts):03d}")
             part.write_bytes(block)
             parts.append(part.name)
-            i += 1
     path.unlink()
-    return {"name": path.name, "sha256": digest, "parts": parts}
+    return {"name": path.name, "sha256": digest.hexdigest(), "parts": parts}
 
 
 INSTALL_SH = r"""#!/usr/bin/env bash
@@ -90,9 +106,13 @@ python3 - "$HERE" "$WORK" <<'PY'
 import hashlib, json, sys, pathlib
 here, work = map(pathlib.Path, sys.argv[1:])
 for f in json.loads((here / "manifest.json").read_text())["files"]:
-    data = b"".join((here / p).read_bytes() for p in f["parts"])
-    assert hashlib.sha256(data).hexdigest() == f["sha256"], f["name"]
-    (work / f["name"]).write_bytes(data)
+    digest = hashlib.sha256()
+    with open(work / f["name"], "wb") as out:
+        for p in f["parts"]:
+            data = (here / p).read_bytes()
+            digest.update(data)
+            out.write(data)
+    assert digest.hexdigest() == f["sha256"], f["name"]
 PY
 mkdir -p "$SITE" "$SITE/models"
 python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WORK"/*.whl
@@ -110,14 +130,22 @@ def main() -> None:
     p.add_argument("--python-version", default="3.12")
     p.add_argument("--ray-version", default="2.60.0")
     p.add_argument("--flashinfer", action="store_true", help="add flashinfer-python + tvm-ffi")
+    p.add_argument("--model", default=None,
+                   help="alias or .gguf path to ship (default: the default model)")
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
+    if args.model and args.no_model:
+        p.error("--model and --no-model exclude each other")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
+        if not args.no_model:  # first: a missing model fails before the downloads
+            from aspire_ray.model.loader import DEFAULT_MODEL
+
+            stage_model(args.model or DEFAULT_MODEL, staging)
         pip_download([f"ray=={args.ray_version}"], staging, args.python_version)
         slim_ray(next(staging.glob("ray-*.whl")), staging)
         wheels = SERVE_WHEELS + (["flashinfer-python", "apache-tvm-ffi"] if args.flashinfer
@@ -126,10 +154,6 @@ def main() -> None:
         repo = Path(__file__).resolve().parent.parent
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(staging),
                         str(repo)], check=True)
-        if not args.no_model:
-            from aspire_ray.model.loader import DEFAULT_MODEL, resolve_alias
-
-            shutil.copy(resolve_alias(DEFAULT_MODEL), staging)
         chunk = int(args.chunk_mb * 1024 * 1024)
         files = []
         for f in sorted(staging.iterdir()):

