@@ -24,9 +24,11 @@ import sys
 import time
 
 from bench_tp import SHAPES
+from traces import TraceRecorder, Traces, engine_meta
 from workloads import long_context_prompts, short_prompts
 
 from aspire_ray import LLM, SamplingParams
+from aspire_ray.config import SpecConfig
 
 MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
 MAX_BATCH = 1024  # cap of --batch max
@@ -194,9 +196,19 @@ def main() -> None:
     p.add_argument("--window", choices=("steady", "drain"), default="steady",
                    help="stop the clock when the first (steady) or last (drain) request finishes")
     p.add_argument("--out", default=None)
+    p.add_argument("--gamma", type=int, default=None,
+                   help="draft length of the synchronized modes (default: SpecConfig's)")
+    p.add_argument("--record-traces", default=None, metavar="PATH",
+                   help="greedy: write every mode's acceptance traces for scripts/simulate.py "
+                        "(several contexts: PATH must hold '{context}')")
     args = p.parse_args()
     modes = args.modes.split(",")
+    if args.record_traces and (args.temperature != 0 or ("{context}" not in args.record_traces
+                                                         and "," in args.contexts)):
+        p.error("--record-traces: greedy only, and '{context}' in PATH for several contexts")
     extra = {"cuda_graphs": not args.no_cuda_graphs}
+    if args.gamma is not None:
+        extra["gamma"] = args.gamma
     if args.dummy_shapes:
         if args.batch == "max":
             p.error("--batch max sizes the batch by the KV pool: not with --dummy-shapes")
@@ -208,6 +220,7 @@ def main() -> None:
     report = {"args": vars(args), "results": []}
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+        traces = Traces({}, {}, [])
         for mode in modes:
             kw = {"model": args.model, "load_format": args.load_format, **extra}
             max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
@@ -231,8 +244,13 @@ def main() -> None:
             warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
             decode_run(llm, prompts[: min(4, len(prompts))], warm, f"warmup-{mode}")
             for rep in range(args.repeats):
+                recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
                                                  args.window))
+                if recorder is not None:
+                    recorder.detach()
+                    traces.add_run(mode, {}, per_mode[mode][-1]["outs"], recorder)
+                    traces.meta = dict(engine_meta(llm.engine), context=ctx)
             info = llm.engine.info
             llm.shutdown()
             del llm
@@ -252,12 +270,23 @@ def main() -> None:
             s.update(context=ctx, batch=len(s["token_ids"]), device=info.get("device_name"))
             del s["token_ids"]
             report["results"].append(s)
+            if mode in traces.modes:
+                traces.modes[mode] = dict(s, gamma=llm_gamma(mode, args))
             print(f"ctx={ctx:>6} {mode:>13}: {s['tokens_per_s']:9.1f} tok/s  "
                   f"x{s['speedup_vs_ar']:.2f}  accepted/verify={s['mean_accepted_length']:.2f} "
                   f"match={s.get('greedy_token_match_vs_ar', '-')}", flush=True)
         if args.out:  # after every context: a run cut short keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
+        if args.record_traces:
+            traces.save(args.record_traces.format(context=ctx))
+
+
+def llm_gamma(mode: str, args) -> int | None:
+    """The fixed draft length a mode ran with (None: per request)."""
+    if mode_options(mode)[0] not in ("magicdec", "specattn", "aspire_fixed"):
+        return None
+    return args.gamma or SpecConfig().gamma
 
 
 def largest_batch(llm: LLM, ctx: str, args) -> int:

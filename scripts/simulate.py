@@ -1,0 +1,393 @@
+"""Scheduler simulator: replays recorded acceptance traces under measured step costs.
+
+The engine itself runs (LLMEngine, Scheduler, DraftPolicy, CostModel: the code that serves),
+over a worker stand-in that answers each verification from the trace (traces.py) and charges
+each step the time of a step-cost model. So the schedule simulated is the engine's own, for
+every mode and any fixed gamma, on the CPU in seconds; a change to the policy is simulated by
+running the changed engine.
+
+    python scripts/bench_decode.py ... --modes ar,magicdec,specattn,aspire_fixed,aspire \
+        --gamma 16 --record-traces traces.json          # record (a real greedy run)
+    python scripts/simulate.py --traces traces.json --costs docs/bench_decode_h200_chains.json \
+        --cost-mode ar --measured docs/bench_decode_h200_chains.json
+
+Step costs (``StepCosts``): the worker's time of a step is the engine's three-term model
+b_model + b_tok * n_tokens + b_kv * kv_tokens over the engine's own features
+(``DraftPolicy.step_features``); a draft step inside a draft chain costs ``chain_b_model``
+instead of b_model (the host round trip a chain saves); the driver adds ``host_per_plan`` per
+plan (scheduling, commit, the benchmark loop). ``--costs`` takes the coefficients as JSON, an
+engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON (per mode: its
+``breakdown``), a trace file (its recorded modes' measurements) or a bench_floor JSON (the
+three terms fitted to its steps by the engine's CostModel).
+
+Predicted tokens/s is committed tokens over simulated decode time, in bench_decode's window
+("steady": until the first request finishes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+from bench_decode import DUMMY_SHAPES, _diff, mode_options, summarize
+from traces import Traces, policy_of
+
+from aspire_ray import SamplingParams
+from aspire_ray.config import SpecConfig
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.executor.base import Executor
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import RowKind, RowPlan, RowResult, StepOutput, StepPlan
+from aspire_ray.spec.cost_model import CostCoefficients, CostModel
+from aspire_ray.spec.draft_policy import DraftPolicy
+
+MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
+FIXED = ("magicdec", "specattn", "aspire_fixed")  # the modes a fixed gamma applies to
+GAMMAS = "1,2,3,4,6,8,12"
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    b_model: float  # s per step (worker)
+    b_tok: float  # s per query token
+    b_kv: float  # s per KV token read (KVReads)
+    chain_b_model: float | None = None  # b_model of a draft step inside a chain (None: b_model)
+    host_per_plan: float = 0.0  # s per plan outside the worker (driver, benchmark loop)
+    source: str = ""
+
+    def worker_seconds(self, n_tokens: float, kv_tokens: float, chained: bool = False) -> float:
+        b0 = self.chain_b_model if chained and self.chain_b_model is not None else self.b_model
+        return b0 + self.b_tok * n_tokens + self.b_kv * kv_tokens
+
+
+class TraceExecutor(Executor):
+    """A worker that answers from traces: a draft at output position o is the target's token
+    when the trace accepts a draft there (else another token); a verify row accepts its drafts
+    up to the first that differs from the target and commits the target's next token."""
+
+    def __init__(self, cfg, meta: dict, prompt_lens: list[int], tokens: list[list[int]],
+                 bits: list[str], costs: StepCosts, num_pages: int | None = None) -> None:
+        self.cfg, self.meta, self.costs = cfg, meta, costs
+        self.prompt_lens, self.tokens, self.bits = prompt_lens, tokens, bits
+        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, meta["num_layers"])
+        longest = max(p + len(t) for p, t in zip(prompt_lens, tokens, strict=True))
+        self.max_len = longest + cfg.spec.d_max + 2
+        page = cfg.cache.page_size
+        self.num_pages = num_pages or sum(-(-(p + len(t) + cfg.spec.d_max + 2) // page) + 1
+                                          for p, t in zip(prompt_lens, tokens, strict=True))
+        self.worker_s = 0.0  # simulated worker time
+        self.host_s = 0.0  # simulated driver time
+
+    def describe(self) -> dict:
+        return {"num_pages": self.num_pages, "num_layers": self.meta["num_layers"],
+                "vocab_size": self.meta.get("vocab_size", 1 << 20),
+                "max_position_embeddings": self.max_len, "eos_token_ids": [],
+                "refresh_layer": self.meta["num_layers"] - 2, "device_name": "simulated"}
+
+    def _draft(self, i: int, o: int) -> int:
+        t = self.tokens[i][o]
+        return t if self.bits and self.bits[i][o] == "1" else t + 1  # any other token
+
+    def _verify(self, i: int, row: RowPlan) -> RowResult:
+        # the verify row's input x_n is at start_pos: its first draft predicts start_pos + 1
+        o = row.start_pos + 1 - self.prompt_lens[i]
+        target = self.tokens[i][o : o + row.num_drafts + 1]
+        drafts = row.token_ids[1:]
+        a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
+        return RowResult(row.req_id, row.kind, target[: a + 1], a)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        results, verify_after = [], []
+        for row in plan.rows:
+            i = int(row.req_id.rsplit("-", 1)[1])
+            # output index of the token this row's (first) query predicts
+            o = row.context_len - self.prompt_lens[i]
+            if row.kind == RowKind.PREFILL:  # (a recomputed request's prompt holds outputs)
+                results.append(RowResult(row.req_id, row.kind,
+                                         [self.tokens[i][o]] if row.sample else []))
+            elif row.kind == RowKind.VERIFY:
+                results.append(self._verify(i, row))
+            else:
+                drafts = [self._draft(i, o + s) for s in range(row.num_steps)]
+                if getattr(row, "verify_after", None) is None:
+                    results.append(RowResult(row.req_id, row.kind, drafts))
+                else:  # a chain that ends its round with a verification in the same plan
+                    vrow = row.verify_row(drafts)
+                    verify_after.append(vrow)
+                    results.append(RowResult(row.req_id, row.kind, drafts,
+                                             verified=self._verify(i, vrow)))
+        steps = max(r.num_steps for r in plan.rows)
+        seconds = steps * self.costs.worker_seconds(*self.policy.step_features(plan.rows),
+                                                    chained=steps > 1)
+        if verify_after:
+            seconds += self.costs.worker_seconds(*self.policy.step_features(verify_after))
+        self.worker_s += seconds
+        self.host_s += self.costs.host_per_plan
+        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+
+
+def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = None,
+             window: str = "steady", num_pages: int | None = None,
+             max_batched_tokens: int = 16384, **spec) -> dict:  # fmt: skip
+    """One mode (bench_decode's MODE or MODE/nochain) at one gamma -> bench_decode's summary
+    with simulated tokens/s."""
+    spec_mode, options = mode_options(mode)
+    tokens, bits, info = traces.replay(mode)
+    meta = traces.meta
+    if gamma is not None:
+        spec["gamma"] = gamma
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode=spec_mode, calibrate="off",
+                              page_size=meta["page_size"], max_num_seqs=len(tokens),
+                              max_num_batched_tokens=max_batched_tokens,
+                              **{**meta["spec"], **options, **spec})  # fmt: skip
+    prompt_lens = [r.prompt_len for r in traces.requests]
+    ex = TraceExecutor(cfg, meta, prompt_lens, tokens, bits, costs, num_pages)
+    engine = LLMEngine(cfg, executor=ex)
+    engine.cost_model.set_prior(CostCoefficients(costs.b_model, costs.b_tok, costs.b_kv))
+    ids, finished = _prefill(engine, prompt_lens, [len(t) for t in tokens])
+    before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
+    clock0 = (ex.worker_s, ex.host_s)
+    committed0 = _committed(engine, finished)
+    first = len(finished)
+    end = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if end is None and window == "steady" and len(finished) > first:
+            end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats())
+    if end is None:
+        end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats())
+    worker, host, committed, after = end
+    breakdown = _diff(after, before)
+    # simulated time only (the driver's own timings of this run are the simulator's)
+    breakdown["timings"] = {"total": worker - clock0[0], "host": host - clock0[1]}
+    run = {"outs": [finished[r] for r in ids], "seconds": worker + host - sum(clock0),
+           "tokens": committed - committed0, "breakdown": breakdown}
+    s = summarize(mode, run, None)
+    s.pop("token_ids")
+    s.update(gamma=cfg.spec.gamma if spec_mode in FIXED else None, trace=info,
+             batch=len(tokens), probes=engine.stats()["probes"])
+    return s
+
+
+def _prefill(engine: LLMEngine, prompt_lens: list[int],
+             max_tokens: list[int]) -> tuple[list[str], dict]:  # fmt: skip
+    """bench_decode.prefill_batch with each request's own max_tokens (its recorded length)."""
+    ids = [f"sim-{i}" for i in range(len(prompt_lens))]
+    for rid, n, m in zip(ids, prompt_lens, max_tokens, strict=True):
+        engine.add_request(rid, [0] * n, SamplingParams(max_tokens=m, temperature=0.0,
+                                                        ignore_eos=True))
+    finished = {}
+    engine.scheduler.pause_decoding = True
+    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    engine.scheduler.pause_decoding = False
+    return ids, finished
+
+
+def _committed(engine, finished: dict) -> int:
+    return sum(len(r.output_token_ids) for r in engine.requests.values()) + \
+        sum(len(o.token_ids) for o in finished.values())  # fmt: skip
+
+
+# ---- step costs from what was measured ----------------------------------------------------------
+def load_costs(path: str, mode: str, meta: dict) -> StepCosts:
+    """Step costs for simulating ``mode`` from a JSON file (module docstring); for files that
+    hold several modes, ``mode``'s own measurement."""
+    with open(path) as f:
+        data = json.load(f)
+    if "b_model" in data:  # coefficients, or an engine's stats()["cost_model"]
+        return StepCosts(data["b_model"], data["b_tok"], data["b_kv"],
+                         data.get("chain_b_model"), data.get("host_per_plan", 0.0), path)
+    if "cost_model" in data:  # an engine's stats(): no decode window known
+        return costs_from_breakdown(data, None, path)
+    if "modes" in data:  # a trace file: its recorded runs
+        results = [dict(r, mode=m) for m, r in data["modes"].items()]
+    else:
+        results = data.get("results", [])
+    if results and "kinds" in results[0]:
+        return costs_from_floor(data, meta, path, mode)
+    match = [r for r in results if r.get("mode") == mode and "breakdown" in r]
+    if not match:
+        raise SystemExit(f"{path}: no measured run of mode {mode!r} "
+                         f"(has {sorted({r.get('mode') for r in results})})")
+    r = match[0]
+    costs = costs_from_breakdown(r["breakdown"], r.get("decode_seconds"), f"{path}:{mode}")
+    return _with_chain_cost(costs, r, meta)
+
+
+def costs_from_breakdown(b: dict, decode_seconds: float | None, source: str) -> StepCosts:
+    """The cost model's fit; host time per plan = the decode window not spent in the worker
+    (or the driver's schedule + commit + executor overhead, without a window)."""
+    cm, t, plans = b["cost_model"], b["timings"], max(b["steps"], 1)
+    if decode_seconds is not None:
+        host = (decode_seconds - t.get("total", 0.0)) / plans
+    else:
+        host = (t.get("schedule", 0.0) + t.get("commit", 0.0)
+                + t.get("execute", 0.0) - t.get("total", 0.0)) / plans
+    return StepCosts(cm["b_model"], cm["b_tok"], cm["b_kv"], None, max(host, 0.0), source)
+
+
+def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
+    """A run with draft chains (fewer plans than steps): chain_b_model makes the model's mean
+    draft step equal the measured one (a full batch at the window's mean context)."""
+    b = r["breakdown"]
+    drafts = b["step_kinds"].get("draft", 0)
+    if not drafts or b["steps"] >= sum(b["step_kinds"].values()):
+        return costs
+    measured = b["step_seconds"]["draft"] / drafts
+    spec_mode = r["mode"].partition("/")[0]
+    policy = _policy(spec_mode, meta)
+    batch = int(r.get("batch", 1))
+    ctx = int(r["context"]) + r["tokens"] // (2 * batch) if str(r.get("context")).isdigit() \
+        else meta.get("context", 0)  # fmt: skip
+    row = RowPlan("x", RowKind.DRAFT, [0], ctx - 1, 0, [])
+    n, kv = policy.step_features([row] * batch)
+    chain_b_model = max(0.0, measured - costs.b_tok * n - costs.b_kv * kv)
+    return StepCosts(costs.b_model, costs.b_tok, costs.b_kv, chain_b_model,
+                     costs.host_per_plan, costs.source)
+
+
+def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCosts:
+    """bench_floor's steps (homogeneous batches at one context) -> the engine's CostModel fit
+    over the engine's features; chained draft steps set chain_b_model; host = wall - worker.
+
+    Fitted to the steps of the modes that draft like ``mode`` (refreshing or not) and `ar`'s:
+    a refreshing draft step costs more than its bytes (its page scoring and top-k), which one
+    b_kv shared with non-refreshing drafts cannot follow (r² 0.69 on the H200's 32k floor)."""
+    args = data["args"]
+    layers = DUMMY_SHAPES.get(args.get("dummy_shapes") or "", {}).get("num_hidden_layers")
+    meta = dict(meta, num_layers=layers or meta["num_layers"])
+    refresh = SpecConfig(mode=mode.partition("/")[0]).refresh_while_drafting
+    model = CostModel(min_samples=3, min_shapes=3)
+    chained, host = [], []
+    for r in data["results"]:
+        spec_mode = r["mode"].partition("/")[0]
+        if spec_mode != "ar" and SpecConfig(mode=spec_mode).refresh_while_drafting != refresh:
+            continue
+        policy = _policy(spec_mode, meta)
+        for s in r["steps"]:
+            kind = "draft" if s["kind"] == "draft" else "verify"
+            d = s["tokens"] // s["rows"] - 1
+            row = RowPlan("x", RowKind[kind.upper()], [0] * (1 + max(d, 0)), args["context"], 0,
+                          [], num_drafts=max(d, 0))
+            n, kv = policy.step_features([row] * s["rows"])
+            if s.get("chain", 1) > 1:
+                chained.append((n, kv, s["worker_s"]["total"]))
+                continue
+            model.add_sample(n, kv, s["worker_s"]["total"])
+            host.append(s["wall_s"] - s["worker_s"]["total"])
+    coef = model.fit()
+    if not model.fitted:
+        raise SystemExit(f"{source}: the step times do not fit three terms ({model.status})")
+    chain = None
+    if chained:
+        chain = max(0.0, statistics.mean(t - coef.b_tok * n - coef.b_kv * kv
+                                         for n, kv, t in chained))
+    return StepCosts(coef.b_model, coef.b_tok, coef.b_kv, chain,
+                     statistics.median(host) if host else 0.0, source)
+
+
+def _policy(spec_mode: str, meta: dict) -> DraftPolicy:
+    spec = SpecConfig(mode=spec_mode, **meta["spec"])
+    return DraftPolicy(spec, None, meta["page_size"], meta["num_layers"])
+
+
+# ---- measured runs to compare with ----------------------------------------------------------
+def measured_runs(path: str) -> dict[tuple[str, int | None], dict]:
+    """(mode, gamma) -> a measured bench_decode result (a bench JSON or a trace file)."""
+    with open(path) as f:
+        data = json.load(f)
+    default = (data.get("args") or {}).get("gamma") or SpecConfig().gamma
+    if "modes" in data:
+        items = list(data["modes"].items())
+    else:
+        items = [(r["mode"], r) for r in data["results"]]
+    out = {}
+    for m, r in items:
+        spec_mode = m.partition("/")[0]
+        g = r.get("gamma", default) if spec_mode in FIXED else None
+        out[(m, g)] = r
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--traces", required=True, help="a trace file (bench_decode --record-traces)")
+    p.add_argument("--costs", required=True, help="step costs (JSON; see above)")
+    p.add_argument("--cost-mode", default="own",
+                   help="whose measurement prices every mode, in files of several modes: "
+                        "'own' (each mode its own, else --cost-fallback) or a mode name")
+    p.add_argument("--cost-fallback", default="ar", help="for modes the cost file lacks")
+    p.add_argument("--modes", default=MODES)
+    p.add_argument("--gammas", default=GAMMAS, help="fixed gammas of magicdec/specattn/"
+                   "aspire_fixed ('' : the recorded/default gamma only)")
+    p.add_argument("--window", choices=("steady", "drain"), default="steady")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool size in pages (default: room for every request)")
+    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--measured", default=None,
+                   help="a bench_decode JSON (or trace file) of the same requests: error %%")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    traces = Traces.load(args.traces)
+    meta = traces.meta
+    gammas = [int(g) for g in args.gammas.split(",") if g]
+    cost_cache: dict[str, StepCosts] = {}
+
+    def costs_for(mode: str) -> StepCosts:
+        key = mode if args.cost_mode == "own" else args.cost_mode
+        if key not in cost_cache:
+            try:
+                cost_cache[key] = load_costs(args.costs, key, meta)
+            except SystemExit:
+                if key == args.cost_fallback:
+                    raise
+                cost_cache[key] = costs_for(args.cost_fallback)
+        return cost_cache[key]
+
+    measured = measured_runs(args.measured) if args.measured else {}
+    runs = []
+    for mode in args.modes.split(","):
+        spec_mode = mode.partition("/")[0]
+        policy = policy_of(mode)
+        if policy is not None and not traces.source_modes(policy):
+            print(f"{mode}: skipped, no recorded trace of its page policy {policy!r}")
+            continue
+        # the sweep, the recorded gamma, and the measured ones
+        extra = {traces.modes.get(mode, {}).get("gamma") or SpecConfig().gamma}
+        extra |= {g for m, g in measured if m == mode}
+        sweep = sorted(set(gammas) | extra) if spec_mode in FIXED else [None]
+        for g in sweep:
+            runs.append(simulate(traces, mode, costs_for(mode), g, args.window, args.num_pages,
+                                 args.max_batched_tokens))
+            runs[-1]["costs"] = asdict(costs_for(mode))
+    ar = next((r["tokens_per_s"] for r in runs if r["mode"] == "ar"), None)
+    print(f"{'mode':>20} {'gamma':>5} {'tok/s':>10} {'x ar':>6} {'L':>5} {'accept':>6} "
+          f"{'mean g':>6} {'measured':>10} {'error':>7}")
+    for r in runs:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar if ar else None
+        m = measured.get((r["mode"], r["gamma"]))
+        if m is not None:
+            r["measured_tokens_per_s"] = m["tokens_per_s"]
+            r["error_pct"] = 100 * (r["tokens_per_s"] / m["tokens_per_s"] - 1)
+            r["measured_mean_accepted_length"] = m.get("mean_accepted_length")
+        acc = r["acceptance_rate"]
+        print(f"{r['mode']:>20} {r['gamma'] if r['gamma'] is not None else '-':>5} "
+              f"{r['tokens_per_s']:10.1f} {r['speedup_vs_ar'] or math.nan:6.2f} "
+              f"{r['mean_accepted_length']:5.2f} {acc if acc is not None else math.nan:6.3f} "
+              f"{r['gamma_mean']:6.2f} {r.get('measured_tokens_per_s', math.nan):10.1f} "
+              f"{r.get('error_pct', math.nan):+6.1f}%")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "meta": meta, "results": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

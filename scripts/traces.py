@@ -1,0 +1,190 @@
+"""Per-request acceptance traces: recorded from a real greedy run, replayed by simulate.py.
+
+What a trace holds (greedy decoding; one per request and recorded mode):
+- ``tokens``: the committed output tokens x_1..x_N (the target's own, greedy);
+- ``accept``: one character per output position o, whether a draft proposed there, from the
+  exact prefix prompt + x_1..x_{o-1} (every earlier draft of its round accepted), equals x_o:
+  ``1`` yes, ``0`` no, ``?`` never observed.
+
+Why this is enough: a round that starts after x_{o-1} and drafts d tokens is accepted up to its
+first mismatch, and while its drafts match the target, the draft's prefix *is* the committed
+prefix. So a round's accepted count is the run of ``1`` from its first position, capped at d:
+one bit per position replaces the draft tokens of every possible round. A real run observes
+positions o..o+a of a round that accepted a < d drafts (a ones, then the zero), and o..o+d-1
+of a fully accepted one; the position after a fully accepted round, and every position of a
+plain (d = 0) verification, stay ``?``. Record with a synchronized mode at a large gamma
+(every position is drafted; only full acceptances leave gaps). What the bits leave out: a
+draft's sparse KV and its page choice depend a little on where its round started.
+
+Page policies (DESIGN.md §1.6): ``window`` (magicdec: sink + recent pages), ``verify_topk``
+(specattn: top-k chosen at verification), ``refresh`` (aspire*: refresh-layer top-k).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from aspire_ray.plan import RowKind
+
+FORMAT = "aspire-ray-traces/1"
+POLICY_OF_MODE = {"magicdec": "window", "specattn": "verify_topk", "aspire_fixed": "refresh",
+                  "aspire_fsm": "refresh", "aspire": "refresh"}  # fmt: skip
+
+
+def policy_of(mode: str) -> str | None:
+    """The page policy of a mode (bench_decode's MODE or MODE/nochain); None for ``ar``."""
+    return POLICY_OF_MODE.get(mode.partition("/")[0])
+
+
+def accept_bits(num_tokens: int, rounds: list[tuple[int, int, int]]) -> str:
+    """rounds: (o, d, a) per verification with d >= 1 drafts (o: output index of its first
+    draft, a: drafts accepted) -> the ``accept`` string of ``num_tokens`` positions."""
+    bits = ["?"] * num_tokens
+    for o, d, a in rounds:
+        for j in range(o, min(o + a, num_tokens)):
+            bits[j] = "1"
+        if a < d and o + a < num_tokens:
+            bits[o + a] = "0"
+    return "".join(bits)
+
+
+class TraceRecorder:
+    """Watches an engine's steps (it wraps ``engine.executor.execute``; the engine is unchanged)
+    and keeps every verification's (o, d, a) per request, until ``detach``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.rounds: dict[str, list[tuple[int, int, int]]] = {}
+        self._execute = engine.executor.execute
+        engine.executor.execute = self._observe
+
+    def _observe(self, plan):
+        out = self._execute(plan)
+        for row, res in zip(plan.rows, out.results, strict=True):
+            if getattr(row, "verify_after", None) is not None:  # a chain and its verification
+                row, res = row.verify_row(res.tokens), res.verified
+            if row.kind != RowKind.VERIFY or row.num_drafts == 0:
+                continue
+            req = self.engine.requests.get(row.req_id)
+            if req is None:
+                continue
+            # the verify row's input x_n sits at start_pos; its first draft is token start_pos + 1
+            o = row.start_pos + 1 - len(req.prompt_token_ids)
+            self.rounds.setdefault(row.req_id, []).append((o, row.num_drafts, res.num_accepted))
+        return out
+
+    def detach(self) -> None:
+        self.engine.executor.execute = self._execute
+
+    def trace(self, req_id: str, tokens: list[int]) -> str:
+        return accept_bits(len(tokens), self.rounds.get(req_id, []))
+
+
+@dataclass
+class RequestTrace:
+    prompt_len: int
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # recorded mode -> outputs
+    accept: dict[str, str] = field(default_factory=dict)  # recorded mode -> bits
+    domain: str | None = None
+
+
+@dataclass
+class Traces:
+    """Recorded runs of one batch of requests. ``meta``: what the engine ran (num_layers,
+    page_size, the SpecConfig's page-budget fields, model, context, batch, device);
+    ``modes``: recorded mode -> {gamma, tokens_per_s, mean_accepted_length, ...}."""
+
+    meta: dict
+    modes: dict[str, dict]
+    requests: list[RequestTrace]
+
+    def add_run(self, mode: str, summary: dict, outs, recorder: TraceRecorder) -> None:
+        """One recorded mode: ``outs`` are its RequestOutputs in request order."""
+        self.modes[mode] = summary
+        if not self.requests:
+            self.requests = [RequestTrace(len(o.prompt_token_ids)) for o in outs]
+        for rt, o in zip(self.requests, outs, strict=True):
+            rt.tokens[mode] = list(o.token_ids)
+            if policy_of(mode):
+                rt.accept[mode] = recorder.trace(o.request_id, o.token_ids)
+
+    def source_modes(self, policy: str) -> list[str]:
+        """Recorded modes of a page policy, the best source first (most observed positions)."""
+        modes = [m for m in self.modes if policy_of(m) == policy
+                 and all(m in r.accept for r in self.requests)]  # fmt: skip
+        return sorted(modes, key=lambda m: sum(r.accept[m].count("?") for r in self.requests))
+
+    def replay(self, mode: str) -> tuple[list[list[int]], list[str], dict]:
+        """Tokens and fully known bits for simulating ``mode``: its own recording where there
+        is one (its rounds then replay exactly), else the best recording of its page policy;
+        ``?`` filled from the policy's other recordings, then by the nearest known bit before
+        it (after a fully accepted round: accepted; in a stretch of plain verifications:
+        rejected; nothing before it: accepted). ``ar`` takes the first recording's tokens."""
+        if mode == "ar":
+            first = next(iter(self.modes))
+            return [r.tokens[first] for r in self.requests], [], {"source": first}
+        policy = policy_of(mode)
+        sources = self.source_modes(policy)
+        if not sources:
+            raise SystemExit(f"no recorded trace of page policy {policy!r} (for {mode}); "
+                             f"recorded: {sorted(self.modes)}")
+        if mode in sources:
+            sources.remove(mode)
+            sources.insert(0, mode)
+        tokens, bits, unknown, total = [], [], 0, 0
+        for r in self.requests:
+            main = r.tokens[sources[0]]
+            b = list(r.accept[sources[0]])
+            for other in sources[1:]:  # the same continuation only up to any divergence
+                same = _common_prefix(main, r.tokens[other])
+                for j in range(same):
+                    if b[j] == "?":
+                        b[j] = r.accept[other][j]
+            unknown += b[1:].count("?")  # position 0 comes from the prompt, never drafted
+            total += max(len(b) - 1, 0)
+            last = "1"
+            for j, c in enumerate(b):
+                if c == "?":
+                    b[j] = last
+                else:
+                    last = c
+            tokens.append(main)
+            bits.append("".join(b))
+        info = {"source": sources[0], "filled_from": sources[1:],
+                "unknown_frac": unknown / total if total else 0.0}
+        return tokens, bits, info
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "meta": self.meta, "modes": self.modes,
+                "requests": [{"prompt_len": r.prompt_len, "domain": r.domain, "tokens": r.tokens,
+                              "accept": r.accept} for r in self.requests]}  # fmt: skip
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, separators=(",", ":"))
+
+    @classmethod
+    def load(cls, path: str) -> Traces:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != FORMAT:
+            raise SystemExit(f"{path}: not a trace file of format {FORMAT}")
+        reqs = [RequestTrace(r["prompt_len"], r["tokens"], r["accept"], r.get("domain"))
+                for r in data["requests"]]  # fmt: skip
+        return cls(data["meta"], data["modes"], reqs)
+
+
+def engine_meta(engine) -> dict:
+    """What the simulator needs of the recording engine to rebuild its features."""
+    spec = engine.cfg.spec
+    return {"num_layers": engine.info["num_layers"], "page_size": engine.cfg.cache.page_size,
+            "vocab_size": engine.info["vocab_size"], "model": engine.cfg.model,
+            "device": engine.info.get("device_name"),
+            "spec": {"k_min": spec.k_min, "rho": spec.rho, "recent_pages": spec.recent_pages,
+                     "keep_sink_page": spec.keep_sink_page, "d_max": spec.d_max}}  # fmt: skip
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -1,0 +1,105 @@
+"""scripts/workloads.py's heterogeneous workload (issue 15, item 5): requests mixing domains of
+different predictability, context lengths and generation lengths, from packages only;
+deterministic given a seed. And bench_decode's --record-traces on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import needs_smollm2
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+class CharTokenizer:
+    """One token per character (ids < 256): a tokenizer without a model."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+
+@pytest.fixture(scope="module")
+def wl():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))
+        yield importlib.import_module("workloads")
+
+
+def test_mix_is_deterministic_and_in_range(wl):
+    tok = CharTokenizer()
+    kw = dict(context_tokens=(2048, 8192), max_tokens=(256, 2048))
+    reqs = wl.heterogeneous_requests(tok, 12, seed=1, **kw)
+    assert reqs == wl.heterogeneous_requests(tok, 12, seed=1, **kw)
+    assert reqs != wl.heterogeneous_requests(tok, 12, seed=2, **kw)
+    usable = [d for d, why in wl.available_domains().items() if why is None]
+    assert {"code", "docs", "tables"} <= set(usable)  # the stdlib's: always there
+    # every usable domain in turn
+    assert [r.domain for r in reqs[: len(usable)]] and {r.domain for r in reqs} == set(usable)
+    for r in reqs:
+        assert 256 <= r.max_tokens <= 2048
+        assert len(r.prompt_ids) <= 8192 and all(0 <= t < 256 for t in r.prompt_ids)
+        if r.domain != "humaneval":  # the others' documents are longer than any window
+            assert len(r.prompt_ids) >= 2048
+    assert len({len(r.prompt_ids) for r in reqs}) > 3 and len({r.max_tokens for r in reqs}) > 3
+
+
+def test_domains_differ_and_missing_ones_say_why(wl, monkeypatch):
+    code, docs, tables = (wl.domain_text(d) for d in ("code", "docs", "tables"))
+    assert "def " in code and "class " in code and "import" in code
+    assert code.count("\n") > 20_000 and len(docs) > 300_000
+    assert tables.startswith("codepoint,name,") and tables.count("\n") > 20_000
+    wl.domain_text.cache_clear()
+    monkeypatch.setattr(wl.shutil, "which", lambda name: None)
+    try:
+        assert "bible-kjv" in wl.available_domains(("prose",))["prose"]
+        reqs = wl.heterogeneous_requests(CharTokenizer(), 4, domains=("prose", "code"),
+                                         context_tokens=(512, 1024))  # fmt: skip
+        assert {r.domain for r in reqs} == {"code"}
+    finally:
+        wl.domain_text.cache_clear()
+    with pytest.raises(ValueError, match="unknown domains"):
+        wl.heterogeneous_requests(CharTokenizer(), 1, domains=("poetry",))
+
+
+@needs_smollm2
+def test_with_the_smollm2_tokenizer(wl):
+    from transformers import AutoTokenizer
+
+    from aspire_ray.model import loader
+
+    tok = AutoTokenizer.from_pretrained(str(loader.resolve("smollm2-135m-instruct").hf_dir))
+    reqs = wl.heterogeneous_requests(tok, 5, seed=0, context_tokens=(4096, 7000),
+                                     max_tokens=(256, 1024))  # fmt: skip
+    for r in reqs:
+        assert 4096 <= len(r.prompt_ids) <= 7000 or r.domain == "humaneval"
+        text = tok.decode(r.prompt_ids[:64])
+        if r.domain == "tables":
+            assert "U+" in text and "," in text
+        if r.domain == "code":
+            assert any(w in tok.decode(r.prompt_ids) for w in ("def ", "class ", "return"))
+
+
+@pytest.mark.timeout(180)
+def test_bench_decode_records_traces(tmp_path):
+    path = tmp_path / "traces.json"
+    cmd = [sys.executable, str(SCRIPTS / "bench_decode.py"), "--device", "cpu", "--dtype",
+           "float32", "--dummy-shapes", "tiny-qwen3", "--contexts", "200", "--batch", "2",
+           "--max-tokens", "10", "--modes", "ar,aspire_fixed", "--gamma", "3",
+           "--record-traces", str(path), "--out", str(tmp_path / "bench.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["format"] == "aspire-ray-traces/1" and set(data["modes"]) == {"ar", "aspire_fixed"}
+    assert data["modes"]["aspire_fixed"]["gamma"] == 3 and data["meta"]["num_layers"] == 4
+    for r in data["requests"]:
+        assert r["prompt_len"] == 200 and len(r["tokens"]["ar"]) == 10
+        bits = r["accept"]["aspire_fixed"]
+        # every position drafted but the first (the prefill's token), those after a fully
+        # accepted round, and the last (no room for drafts: a round commits d + 1 tokens)
+        assert len(bits) == 10 and set(bits) <= set("01?") and bits[0] == "?"
+        assert all(bits[j - 1] == "1" for j in range(1, 9) if bits[j] == "?"), bits
