@@ -131,19 +131,29 @@ class TraceExecutor(Executor):
 
 def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = None,
              window: str = "steady", num_pages: int | None = None,
-             max_batched_tokens: int = 16384, **spec) -> dict:  # fmt: skip
+             max_batched_tokens: int = 16384, batch: int | None = None,
+             prompt_len: int | None = None, num_layers: int | None = None,
+             **spec) -> dict:  # fmt: skip
     """One mode (bench_decode's MODE or MODE/nochain) at one gamma -> bench_decode's summary
-    with simulated tokens/s."""
+    with simulated tokens/s.
+
+    Projections (the acceptance of the recorded text, the shape of another deployment):
+    ``batch`` requests taken from the recorded ones in turn, every prompt ``prompt_len`` tokens
+    long, a model of ``num_layers`` layers (the cost source's; it weighs the refresh read)."""
     spec_mode, options = mode_options(mode)
     tokens, bits, info = traces.replay(mode)
-    meta = traces.meta
+    prompt_lens = [prompt_len or r.prompt_len for r in traces.requests]
+    if batch:
+        pick = [i % len(tokens) for i in range(batch)]
+        tokens, prompt_lens = [tokens[i] for i in pick], [prompt_lens[i] for i in pick]
+        bits = [bits[i] for i in pick] if bits else bits
+    meta = dict(traces.meta, num_layers=num_layers or traces.meta["num_layers"])
     if gamma is not None:
         spec["gamma"] = gamma
     cfg = build_engine_config("dummy", load_format="dummy", spec_mode=spec_mode, calibrate="off",
                               page_size=meta["page_size"], max_num_seqs=len(tokens),
                               max_num_batched_tokens=max_batched_tokens,
                               **{**meta["spec"], **options, **spec})  # fmt: skip
-    prompt_lens = [r.prompt_len for r in traces.requests]
     ex = TraceExecutor(cfg, meta, prompt_lens, tokens, bits, costs, num_pages)
     engine = LLMEngine(cfg, executor=ex)
     engine.cost_model.set_prior(CostCoefficients(costs.b_model, costs.b_tok, costs.b_kv))
@@ -332,12 +342,18 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pool size in pages (default: room for every request)")
     p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=None,
+                   help="projection: this many requests, the recorded ones in turn")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="projection: every prompt this long (acceptance as recorded)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="projection: the cost source's model depth (default: the trace's)")
     p.add_argument("--measured", default=None,
                    help="a bench_decode JSON (or trace file) of the same requests: error %%")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     traces = Traces.load(args.traces)
-    meta = traces.meta
+    meta = dict(traces.meta, num_layers=args.num_layers or traces.meta["num_layers"])
     gammas = [int(g) for g in args.gammas.split(",") if g]
     cost_cache: dict[str, StepCosts] = {}
 
@@ -366,7 +382,8 @@ def main() -> None:
         sweep = sorted(set(gammas) | extra) if spec_mode in FIXED else [None]
         for g in sweep:
             runs.append(simulate(traces, mode, costs_for(mode), g, args.window, args.num_pages,
-                                 args.max_batched_tokens))
+                                 args.max_batched_tokens, args.batch, args.prompt_len,
+                                 args.num_layers))
             runs[-1]["costs"] = asdict(costs_for(mode))
     ar = next((r["tokens_per_s"] for r in runs if r["mode"] == "ar"), None)
     print(f"{'mode':>20} {'gamma':>5} {'tok/s':>10} {'x ar':>6} {'L':>5} {'accept':>6} "

@@ -92,6 +92,12 @@ def test_ar_commits_one_token_per_step(mods, recorded):
     assert s["tokens"] == 3 * 23 and s["breakdown"]["step_kinds"] == {"prefill": 0, "verify": 23}
     assert s["tokens_per_s"] == pytest.approx(3 / 2e-3)
     assert s["mean_accepted_length"] == 1.0 and s["acceptance_rate"] is None
+    # a projection: twice the batch (the recorded requests in turn), 1,000-token prompts
+    big = mods["simulate"].simulate(traces, "ar", _costs(mods, b_tok=0.0), batch=6,
+                                    prompt_len=1000)  # fmt: skip
+    assert big["tokens"] == 6 * 23 and big["batch"] == 6
+    per_step = 2e-3 + 1e-7 * 6 * (1000 + 12)  # the mean context of a step (+1 ... +23)
+    assert big["tokens_per_s"] == pytest.approx(6 / per_step, rel=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
