@@ -75,6 +75,9 @@ class SpecConfig:
     # into the next on the device while it plans the next step; one host round trip per chain
     # instead of one per draft step.
     draft_chains: bool = True
+    # With draft_chains: a chain that ends its round carries the round's verification in the
+    # same plan (one host round trip per round); False: the verification is a plan of its own.
+    chain_verify: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in SPEC_MODES,

@@ -52,6 +52,9 @@ class RowPlan:
     # DRAFT: draft this many tokens back to back (a draft chain): the worker feeds each draft
     # into the next draft step on the device, with no host round trip between them
     num_steps: int = 1
+    # DRAFT (a chain that ends its round): verify in the same plan right after the chain; the
+    # verify row's inputs are these known tokens [x_n, d_1..d_d], then the chain's drafts
+    verify_after: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +67,14 @@ class RowPlan:
     @property
     def final_context_len(self) -> int:
         """KV context after the row's last step (the pages it needs)."""
-        return self.context_len + self.num_steps - 1
+        return self.context_len + self.num_steps - 1 + (self.verify_after is not None)
+
+    def verify_row(self, drafts: list[int]) -> RowPlan:
+        """The verify row that follows this chain row (``verify_after``), given its drafts."""
+        known = self.verify_after
+        return RowPlan(self.req_id, RowKind.VERIFY, known + drafts,
+                       self.start_pos - (len(known) - 1), 0, [],
+                       num_drafts=len(known) - 1 + len(drafts))  # fmt: skip
 
 
 @dataclass
@@ -83,6 +93,7 @@ class RowResult:
     # DRAFT: the new draft tokens (num_steps of them). PREFILL without sample: [].
     tokens: list[int]
     num_accepted: int = 0  # VERIFY: drafts accepted
+    verified: RowResult | None = None  # DRAFT with verify_after: the verify row's result
 
 
 @dataclass

@@ -47,13 +47,20 @@ DUMMY_SHAPES = {
 }
 
 
+VARIANTS = {  # MODE/VARIANT: MODE with these SpecConfig options, to compare in one run
+    "": {},
+    "nochain": {"draft_chains": False},  # one plan per draft step
+    "noround": {"chain_verify": False},  # chains, but the verification in a plan of its own
+}
+
+
 def mode_options(mode: str) -> tuple[str, dict]:
-    """A benchmark mode -> (spec mode, LLM options): "MODE/nochain" is MODE without draft
-    chains (SpecConfig.draft_chains), to compare both in one run."""
+    """A benchmark mode -> (spec mode, LLM options), e.g. "magicdec/nochain" (VARIANTS)."""
     spec_mode, _, variant = mode.partition("/")
-    if variant not in ("", "nochain"):
-        raise SystemExit(f"unknown mode variant {variant!r} in {mode!r} (known: nochain)")
-    return spec_mode, {"draft_chains": variant != "nochain"}
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown mode variant {variant!r} in {mode!r} (known: "
+                         f"{', '.join(v for v in VARIANTS if v)})")
+    return spec_mode, dict(VARIANTS[variant])
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -40,6 +40,7 @@ from floor_report import (
 from workloads import long_context_prompts
 
 from aspire_ray import LLM, SamplingParams
+from aspire_ray.config import SpecConfig
 from aspire_ray.model.arch import ModelArch
 from aspire_ray.worker.model_loading import hf_weight_shapes, load_hf_config
 
@@ -57,8 +58,14 @@ class Recorder:
     def execute(self, plan):
         out = self.inner.execute(plan)
         rows = [
-            Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts, r.num_steps)
+            Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts, r.num_steps,
+                r.verify_after is not None)
             for r in plan.rows
+        ]
+        # a round's verification (after the chain, in the same plan), with placeholder drafts
+        rows += [
+            Row("verify", v.context_len, v.num_tokens, v.num_drafts, 1, True)
+            for v in (r.verify_row([0] * r.num_steps) for r in plan.rows if r.verify_after)
         ]
         self.steps.append((rows, dict(out.timings)))
         return out
@@ -107,6 +114,12 @@ class StepBytes:
         self.page = page_bytes(self.page_size, arch.num_kv_heads, arch.head_dim, elem)
 
     def __call__(self, rows: list[Row]) -> dict[str, int]:
+        if any(r.in_round for r in rows):  # k draft steps, then the verify step
+            drafts = [r._replace(in_round=False) for r in rows if r.kind == "draft"]
+            verifies = [r._replace(in_round=False) for r in rows if r.kind == "verify"]
+            k = max(r.num_steps for r in drafts)
+            a, b = self(drafts), self(verifies)
+            return {key: k * a[key] + b[key] for key in a}
         w = weight_bytes(self.shapes, sum(r.num_tokens for r in rows), self.elem)
         reads = kv_page_reads(
             rows,
@@ -158,8 +171,19 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
     return out
 
 
+def new_tokens(args) -> int:
+    """Output tokens per request that outlast the run: every engine step (a round of draft
+    chain + verification commits up to gamma + 1 tokens in one plan) plus a verification."""
+    plans = args.warmup + args.steps + args.profile_steps + args.cprofile
+    spec = SpecConfig()
+    return plans * (spec.gamma + 1) + spec.d_max + 2
+
+
 def chain_steps(rows) -> int:
-    """Decode steps one plan stands for: a draft chain's steps (RowPlan.num_steps), else 1."""
+    """Decode steps one plan stands for: a draft chain's steps (RowPlan.num_steps), else 1 (a
+    round, chain and verification, is one step of its own kind)."""
+    if any(r.in_round for r in rows):
+        return 1
     return max((r.num_steps for r in rows), default=1)
 
 
@@ -183,7 +207,6 @@ def kernel_times(events, starts: list[int], kinds: list[tuple[str | None, int]])
 
 
 def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
-    steps_total = args.warmup + args.steps + args.profile_steps + args.cprofile
     kw = {"model": args.model, **extra}  # dummy shapes: model="dummy" and its overrides
     spec_mode, options = mode_options(mode)
     llm = LLM(
@@ -205,10 +228,8 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
         if args.dummy_shapes
         else long_context_prompts(llm.tokenizer, args.batch, args.context)
     )
-    # each step commits at most one token per request on average, so no request finishes
-    params = SamplingParams(
-        max_tokens=steps_total + engine.cfg.spec.d_max + 2, temperature=0, seed=0, ignore_eos=True
-    )
+    # no request finishes within the run (a round, one plan, commits up to gamma + 1 tokens)
+    params = SamplingParams(max_tokens=new_tokens(args), temperature=0, seed=0, ignore_eos=True)
     prefill_batch(engine, prompts, params, mode)
     for _ in range(args.warmup):  # graph buckets, kernel compiles, the pool's first pages
         engine.step()
@@ -302,7 +323,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8000, help="prompt tokens per request")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--modes", default="ar,magicdec,aspire_fixed,aspire",
-                   help="spec modes; MODE/nochain runs MODE without draft chains")
+                   help="spec modes; MODE/VARIANT (bench_decode.VARIANTS): e.g. magicdec/nochain")
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--profile-steps", type=int, default=12, help="profiled steps (GPU only)")
@@ -322,7 +343,7 @@ def main() -> None:
     _empty_cache()
     extra = {}
     if args.dummy_shapes:  # a pool of just the batch's pages (16-token pages, the default)
-        tokens = args.context + args.warmup + args.steps + args.profile_steps + args.cprofile + 64
+        tokens = args.context + new_tokens(args) + 64
         extra = dict(
             model="dummy",
             load_format="dummy",

@@ -25,6 +25,7 @@ class Row(NamedTuple):
     num_tokens: int  # query tokens
     num_drafts: int = 0  # verify rows: d (0: a plain autoregressive step)
     num_steps: int = 1  # draft rows of a draft chain: its steps (bytes are per step)
+    in_round: bool = False  # a chain and its verification in one plan (a "round")
 
 
 def weight_bytes(shapes: Iterable[tuple[str, Sequence[int]]], n_tokens: int, elem: int) -> int:
@@ -75,8 +76,11 @@ def kv_page_reads(
 
 
 def step_kind(rows: Sequence[Row]) -> str:
-    """ar (verify rows with no drafts), draft, verify, mixed (draft + verify), prefill."""
+    """ar (verify rows with no drafts), draft, verify, mixed (draft + verify), prefill, round
+    (a draft chain and its verification in one plan)."""
     kinds = {r.kind for r in rows}
+    if any(r.in_round for r in rows):
+        return "round"
     if "prefill" in kinds or not kinds:
         return "prefill"
     if kinds == {"draft"}:

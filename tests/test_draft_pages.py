@@ -95,10 +95,10 @@ def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch, mode):
     checked = {"pre": 0, "post": 0}
 
     class Checked(step_batch.StepBatch):
-        def __init__(self, w, rows, graph_inputs=None, input_ids=None, shift=0):
+        def __init__(self, w, rows, graph_inputs=None, device_tokens=None, shift=0):
             before = {r.req_id: _scores(w.requests[r.req_id]) for r in rows}
             self.shift = shift  # a draft chain's step
-            super().__init__(w, rows, graph_inputs, input_ids, shift)
+            super().__init__(w, rows, graph_inputs, device_tokens, shift)
             self._check(self.attention.meta_pre, before, "pre")
 
         def _apply_scores(self, page_scores):

@@ -159,7 +159,10 @@ class LLMEngine:
                 req.drafts += res.tokens
                 req.metrics.drafted += len(res.tokens)
                 req.metrics.decode_steps += len(res.tokens)
-                continue
+                if res.verified is None:
+                    continue
+                # the chain ended its round: commit the verification that followed it
+                row, res = row.verify_row(res.tokens), res.verified
             if row.kind == RowKind.PREFILL:
                 req.num_computed += row.num_tokens
             else:
@@ -242,11 +245,13 @@ class LLMEngine:
         kinds = {row.kind for row in rows}
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
         steps = max((row.num_steps for row in rows), default=1)  # a draft chain: its steps
+        if any(row.verify_after is not None for row in rows):
+            label, steps = "round", 1  # a chain and the verification after it, one plan
         self.step_kinds[label] += steps
         self.step_seconds[label] += out.timings.get("total", 0.0)
         # tau is the whole worker step: a draft step's page selection, refresh and sampling
         # are part of what drafting costs (~1.7 ms outside the forward at batch 64, H200)
-        if rows and "total" in out.timings:
+        if rows and "total" in out.timings and label != "round":
             n_tokens, kv = self.policy.step_features(rows)
             seconds = out.timings["total"] / steps
             model = self.cost_model

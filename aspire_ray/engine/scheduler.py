@@ -96,16 +96,19 @@ class Scheduler:
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
         # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
         # must not delay admissions) and every request is greedy (the worker draws on device)
-        chain = 1
+        chain, verify_after = 1, False
         if decoding and len(decoding) == len(self.running) and not self.waiting \
                 and all(r.sampling.greedy for r in decoding):  # fmt: skip
-            chain = self.policy.chain_length(decoding, caps, decided)
+            chain, verify_after = self.policy.chain_length(decoding, caps, decided)
+            # the round's verify rows must fit the step's token budget
+            verify_after &= sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
+                                for r in decoding) <= budget  # fmt: skip
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             if self.pause_decoding and not req.in_prefill:
                 continue
-            row = self._row_for(req, actions.get(req.req_id), budget, chain)
+            row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after)
             if row is None:
                 continue
             if not self._ensure_pages(req, row.final_context_len):
@@ -113,7 +116,7 @@ class Scheduler:
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
         # no admissions beside a chain (a request it preempted waits for the next step)
-        while chain == 1 and self.waiting and budget > 0 \
+        while chain == 1 and not verify_after and self.waiting and budget > 0 \
                 and len(self.running) < self.cfg.max_num_seqs:  # fmt: skip
             req = self.waiting[0]
             row = self._row_for(req, None, budget)
@@ -133,8 +136,8 @@ class Scheduler:
         self._dropped = []
         return plan
 
-    def _row_for(self, req: Request, action: Action | None, budget: int,
-                 chain: int = 1) -> RowPlan | None:  # fmt: skip
+    def _row_for(self, req: Request, action: Action | None, budget: int, chain: int = 1,
+                 verify_after: bool = False) -> RowPlan | None:  # fmt: skip
         if req.in_prefill or action is None:
             n = min(req.num_tokens - req.num_computed, budget)
             if n <= 0:
@@ -149,7 +152,8 @@ class Scheduler:
         if action == Action.DRAFT:
             token = req.drafts[-1] if req.drafts else req.last_token
             return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [],
-                           num_steps=chain)
+                           num_steps=chain,
+                           verify_after=[req.last_token] + req.drafts if verify_after else None)
         tokens = [req.last_token] + req.drafts
         if len(tokens) > budget:
             return None

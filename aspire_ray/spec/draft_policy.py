@@ -96,16 +96,22 @@ class DraftPolicy:
         return [Action.DRAFT if len(r.drafts) < t else Action.VERIFY
                 for r, t in zip(reqs, targets, strict=True)]
 
-    def chain_length(self, reqs: list[Request], caps: list[int], actions: list[Action]) -> int:
-        """Draft steps the batch may run back to back (a draft chain, ``SpecConfig``): in a
-        synchronized mode where every request drafts or idles, the fewest drafts a drafting
-        request still needs before the batch verifies; 1 otherwise."""
+    def chain_length(self, reqs: list[Request], caps: list[int],
+                     actions: list[Action]) -> tuple[int, bool]:  # fmt: skip
+        """(k, ends_round): draft steps the batch may run back to back (a draft chain,
+        ``SpecConfig``) and whether the batch verifies right after them. In a synchronized mode
+        where every request drafts or idles, k is the fewest drafts a drafting request still
+        needs before the batch verifies, and the round ends with the chain when every request
+        drafts and all need exactly k; (1, False) otherwise."""
         if not (self.cfg.synchronized and self.cfg.draft_chains) or Action.VERIFY in actions:
-            return 1
+            return 1, False
         batch = len(reqs)
         left = [min(self.target(r, batch), self.cfg.d_max, cap) - len(r.drafts)
                 for r, cap, a in zip(reqs, caps, actions, strict=True) if a == Action.DRAFT]
-        return max(1, min(left, default=1))
+        if not left:
+            return 1, False
+        k = max(1, min(left))
+        return k, self.cfg.chain_verify and len(left) == len(reqs) and max(left) == k
 
     def on_verified(self, req: Request, drafted: int, accepted: int) -> None:
         """After every verification of the request, d = 0 included."""

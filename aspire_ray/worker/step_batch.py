@@ -88,14 +88,16 @@ class StepBatch:
     tokens: int64 [3, n] on the device (ids, positions, KV slots), n = T real tokens or the
     padded graph bucket (ids 0, positions 0, slots -1 past T); input_ids, positions and
     slot_mapping are its [T] views. logit_index: int32 [N] tokens whose logits are needed;
-    logit_offsets: [R + 1] host offsets of each row's logits among them. input_ids: int64 [T]
-    on the device, replacing the rows' host token ids (which are then placeholders); shift:
-    added to every row's start_pos (step s of a draft chain plans its rows with shift s).
+    logit_offsets: [R + 1] host offsets of each row's logits among them. device_tokens:
+    (index [M], ids [M]), int64 on the device: input tokens replaced after the upload (the
+    rows' host token ids there are placeholders); shift: added to every row's start_pos (step
+    s of a draft chain plans its rows with shift s).
     """
 
     def __init__(self, worker: Worker, rows: list[RowPlan],
                  graph_inputs: torch.Tensor | None = None,
-                 input_ids: torch.Tensor | None = None, shift: int = 0) -> None:  # fmt: skip
+                 device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 shift: int = 0) -> None:  # fmt: skip
         self.worker, self.rows = worker, rows
         ps, dev, table = worker.page_size, worker.device, worker.page_table
         table.flush()  # the block tables' deltas reach the device before any gather
@@ -126,9 +128,9 @@ class StepBatch:
         tokens[2, t:] = -1  # padding tokens: the KV store skips negative slots
         tokens[2, :t] = table.host[np.repeat(slot, n), pos // ps].astype(np.int64) * ps + pos % ps
         self.tokens = upload(tokens, dev, graph_inputs)
-        if input_ids is not None:  # tokens the host does not know yet (a draft chain)
-            self.tokens[0, :t].copy_(input_ids)
         self.input_ids, self.positions, self.slot_mapping = (x[:t] for x in self.tokens)
+        if device_tokens is not None:  # tokens the host does not know yet (a draft chain)
+            self.input_ids.index_copy_(0, *device_tokens)
 
         # logits: every token of a verify row; the last token of a draft row / sampling prefill
         n_logits = np.where(kind == _VERIFY, n,

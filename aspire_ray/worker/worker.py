@@ -16,10 +16,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from aspire_ray.attention import get_backend
 from aspire_ray.config import EngineConfig
+from aspire_ray.kernels.host import offsets, upload
 from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput, StepPlan, Stream
 from aspire_ray.tp import TPGroup, single_rank
 
@@ -174,7 +176,7 @@ class Worker:
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
                                                  "total": total, "refresh": 0.0})
         steps = max(row.num_steps for row in plan.rows)
-        if steps > 1:
+        if steps > 1 or plan.rows[0].verify_after is not None:
             return self._execute_chain(plan.step_id, plan.rows, steps, t0)
         logits, batch, t1 = self._forward(plan.rows)
         self._sync()
@@ -186,12 +188,11 @@ class Worker:
                    "refresh": batch.attention.refresh_seconds}
         return StepOutput(plan.step_id, results, timings)
 
-    def _forward(self, rows: list[RowPlan], input_ids: torch.Tensor | None = None,
-                 shift: int = 0):  # fmt: skip
+    def _forward(self, rows: list[RowPlan], device_tokens=None, shift: int = 0):
         """Plan the step and enqueue its forward (no device sync) -> (logits [N, V] float32,
-        the StepBatch, the time planning ended). input_ids: int64 [T] on the device, the
-        step's input tokens when they are not known on the host, and shift: added to the rows'
-        start_pos (step ``shift`` of a draft chain)."""
+        the StepBatch, the time planning ended). device_tokens: (index, ids), int64 tensors on
+        the device, input tokens the host does not know yet (a draft chain: tokens[index] =
+        ids); shift: added to the rows' start_pos (step ``shift`` of a draft chain)."""
         num_tokens = sum(row.num_tokens for row in rows)
         bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
         # captures come first: they overwrite the bucket's inputs
@@ -200,7 +201,7 @@ class Worker:
         whole = bucket is not None and self.step_graphs is not None and decode \
             and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
-        batch = StepBatch(self, rows, graph_inputs, input_ids, shift)
+        batch = StepBatch(self, rows, graph_inputs, device_tokens, shift)
         t1 = time.perf_counter()
         if whole and self.step_graphs.load(bucket, batch.attention):
             hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
@@ -213,25 +214,49 @@ class Worker:
 
     def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int,
                        t0: float) -> StepOutput:  # fmt: skip
-        """A draft chain: ``steps`` greedy draft steps of the same rows back to back. Step s
-        drafts at position start_pos + s from step s - 1's drafts, which stay on the device:
-        the host plans step s + 1 while the GPU runs step s, and syncs once, at the end."""
+        """A draft chain: ``steps`` greedy draft steps of the same rows back to back, then, if
+        the rows say so (``verify_after``), their verification. Step s drafts at position
+        start_pos + s from step s - 1's drafts, which stay on the device, as do the verify
+        rows' draft inputs: the host plans each step while the GPU runs the one before, and
+        syncs once, at the end."""
+        verify = rows[0].verify_after is not None
         for row in rows:
             if row.kind != RowKind.DRAFT or row.num_steps != steps \
+                    or (row.verify_after is not None) != verify \
                     or not self.requests[row.req_id].sampling.greedy:  # fmt: skip
-                raise ValueError(f"a draft chain holds greedy draft rows of {steps} steps only, "
-                                 f"got {row.kind.name} row {row.req_id!r} of {row.num_steps}")
-        inputs, drafts, refresh = None, [], 0.0
+                raise ValueError(f"a draft chain holds greedy draft rows of {steps} steps only "
+                                 f"(all verifying after or none), got {row.kind.name} row "
+                                 f"{row.req_id!r} of {row.num_steps}")
+        first = torch.arange(len(rows), device=self.device)  # a draft row's one input token
+        tokens, drafts, refresh = None, [], 0.0
         for s in range(steps):
-            logits, batch, _ = self._forward(rows, inputs, shift=s)
-            inputs = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
-            drafts.append(inputs)
+            logits, batch, _ = self._forward(rows, None if tokens is None else (first, tokens),
+                                             shift=s)  # fmt: skip
+            tokens = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
+            drafts.append(tokens)
+            refresh += batch.attention.refresh_seconds
+        out = torch.stack(drafts, dim=1).flatten()  # [R * steps], row-major
+        if verify:  # inputs [x_n, d_1..d_d] known on the host, the chain's drafts after them
+            known = np.array([len(row.verify_after) for row in rows], dtype=np.int64)
+            at = np.repeat(offsets(known + steps)[:-1] + known, steps) + \
+                np.tile(np.arange(steps), len(rows))  # fmt: skip
+            vrows = [row.verify_row([0] * steps) for row in rows]
+            logits, batch, _ = self._forward(vrows, (upload(at, self.device), out))
+            out = torch.cat([out, logits.argmax(dim=-1)])
             refresh += batch.attention.refresh_seconds
         t1 = time.perf_counter()
-        tokens = torch.stack(drafts, dim=1).tolist()  # the chain's one device sync
+        flat = out.tolist()  # the chain's one device sync
         t2 = time.perf_counter()
-        results = [RowResult(row.req_id, RowKind.DRAFT, toks)
-                   for row, toks in zip(rows, tokens, strict=True)]  # fmt: skip
+        results, n = [], len(rows) * steps
+        for r, row in enumerate(rows):
+            chain = flat[r * steps : (r + 1) * steps]
+            res = RowResult(row.req_id, RowKind.DRAFT, chain)
+            if verify:
+                lo, hi = batch.logit_offsets[r], batch.logit_offsets[r + 1]
+                accepted, committed = rejection_sampler.verify_greedy(
+                    flat[n + lo : n + hi], row.verify_after[1:] + chain)
+                res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
+            results.append(res)
         timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0, "total": t2 - t0,
                    "refresh": refresh}
         return StepOutput(step_id, results, timings)
