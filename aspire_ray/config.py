@@ -76,8 +76,9 @@ class SpecConfig:
     # instead of one per draft step.
     draft_chains: bool = True
     # With draft_chains: a chain that ends its round carries the round's verification in the
-    # same plan (one host round trip per round); False: the verification is a plan of its own.
-    chain_verify: bool = True
+    # same plan (one host round trip per round). Off by default: on an H200 it made magicdec
+    # 8% faster and aspire_fixed 11% slower (docs/benchmarks.md §8.5; not yet explained).
+    chain_verify: bool = False
 
     def __post_init__(self) -> None:
         _require(self.mode in SPEC_MODES,

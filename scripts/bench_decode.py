@@ -50,7 +50,7 @@ DUMMY_SHAPES = {
 VARIANTS = {  # MODE/VARIANT: MODE with these SpecConfig options, to compare in one run
     "": {},
     "nochain": {"draft_chains": False},  # one plan per draft step
-    "noround": {"chain_verify": False},  # chains, but the verification in a plan of its own
+    "round": {"chain_verify": True},  # chains that carry their round's verification
 }
 
 

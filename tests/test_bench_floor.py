@@ -100,8 +100,7 @@ def test_script_runs_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert "bench_floor.py" in report["command"] and report["gpu"] == "cpu"
     by_mode = {r["mode"]: r for r in report["results"]}
-    # aspire_fixed runs whole rounds (draft chain + verification) as one plan
-    assert set(by_mode) == {"ar", "aspire_fixed"} and "round" in by_mode["aspire_fixed"]["kinds"]
+    assert set(by_mode) == {"ar", "aspire_fixed"} and "draft" in by_mode["aspire_fixed"]["kinds"]
     bw = report["bandwidth"]["bytes_per_s"]
     page = fr.page_bytes(16, kv_heads=2, head_dim=32, elem=4)  # tiny-qwen3, fp32
     for r in report["results"]:

@@ -39,16 +39,18 @@ def test_chains_give_the_tokens_of_single_draft_steps(tiny_model_dir, mode):
     model_dir = tiny_model_dir("llama")
     expected, *_ = _run(model_dir, "ar")
     single, single_chains, single_rounds = _run(model_dir, mode, draft_chains=False)
-    chained, chains, rounds = _run(model_dir, mode)
-    assert set(single_chains) == {1} and single_rounds == 0
-    # whole rounds ran as one plan (every draft of the round, then the verification)
+    chained, chains, no_rounds = _run(model_dir, mode)
+    rounded, _, rounds = _run(model_dir, mode, chain_verify=True)
+    assert set(single_chains) == {1} and single_rounds == no_rounds == 0
+    assert max(chains) == SPARSE["gamma"]  # whole chains ran (all drafts of a round at once)
+    # with chain_verify whole rounds ran as one plan (every draft, then the verification)
     assert rounds > 0
-    assert chained == single == expected
+    assert rounded == chained == single == expected
 
 
 def test_no_chains_when_sampling_or_per_request(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
-    _, sampled, sampled_rounds = _run(model_dir, "magicdec", temperature=0.8)
-    _, per_request, per_request_rounds = _run(model_dir, "aspire")
+    _, sampled, sampled_rounds = _run(model_dir, "magicdec", temperature=0.8, chain_verify=True)
+    _, per_request, per_request_rounds = _run(model_dir, "aspire", chain_verify=True)
     assert set(sampled) == {1} and set(per_request) == {1}
     assert sampled_rounds == per_request_rounds == 0
