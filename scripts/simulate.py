@@ -236,6 +236,8 @@ def costs_from_breakdown(b: dict, decode_seconds: float | None, source: str) -> 
     """The cost model's fit; host time per plan = the decode window not spent in the worker
     (or the driver's schedule + commit + executor overhead, without a window)."""
     cm, t, plans = b["cost_model"], b["timings"], max(b["steps"], 1)
+    if cm.get("status", "fit") != "fit":  # the prior was in force: nothing was measured
+        raise SystemExit(f"{source}: its cost model was not fitted ({cm['status']})")
     if decode_seconds is not None:
         host = (decode_seconds - t.get("total", 0.0)) / plans
     else:
@@ -249,14 +251,15 @@ def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
     draft step equal the measured one (a full batch at the window's mean context)."""
     b = r["breakdown"]
     drafts = b["step_kinds"].get("draft", 0)
-    if not drafts or b["steps"] >= sum(b["step_kinds"].values()):
+    # (a "round" plan, a chain and its verification, holds steps of both kinds: not separable)
+    if not drafts or b["steps"] >= sum(b["step_kinds"].values()) or "round" in b["step_kinds"]:
         return costs
     measured = b["step_seconds"]["draft"] / drafts
     spec_mode = r["mode"].partition("/")[0]
     policy = _policy(spec_mode, meta)
     batch = int(r.get("batch", 1))
-    ctx = int(r["context"]) + r["tokens"] // (2 * batch) if str(r.get("context")).isdigit() \
-        else meta.get("context", 0)  # fmt: skip
+    prompt = int(r["context"]) if str(r.get("context")).isdigit() else meta["mean_prompt_len"]
+    ctx = prompt + r["tokens"] // (2 * batch)
     row = RowPlan("x", RowKind.DRAFT, [0], ctx - 1, 0, [])
     n, kv = policy.step_features([row] * batch)
     chain_b_model = max(0.0, measured - costs.b_tok * n - costs.b_kv * kv)
@@ -353,7 +356,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     traces = Traces.load(args.traces)
-    meta = dict(traces.meta, num_layers=args.num_layers or traces.meta["num_layers"])
+    mean_prompt = statistics.mean(r.prompt_len for r in traces.requests)
+    meta = dict(traces.meta, num_layers=args.num_layers or traces.meta["num_layers"],
+                mean_prompt_len=args.prompt_len or round(mean_prompt))
     gammas = [int(g) for g in args.gammas.split(",") if g]
     cost_cache: dict[str, StepCosts] = {}
 
@@ -362,10 +367,11 @@ def main() -> None:
         if key not in cost_cache:
             try:
                 cost_cache[key] = load_costs(args.costs, key, meta)
-            except SystemExit:
-                if key == args.cost_fallback:
+            except SystemExit as e:
+                if key == args.cost_fallback or args.cost_mode != "own":
                     raise
-                cost_cache[key] = costs_for(args.cost_fallback)
+                print(f"{mode}: priced by {args.cost_fallback}'s costs ({e})")
+                cost_cache[key] = load_costs(args.costs, args.cost_fallback, meta)
         return cost_cache[key]
 
     measured = measured_runs(args.measured) if args.measured else {}

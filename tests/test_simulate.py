@@ -112,11 +112,13 @@ def test_fixed_gamma_replays_the_recorded_run(mods, recorded, mode):
 
 
 def test_adaptive_modes_near_the_recorded_run(mods, recorded):
-    path, traces = recorded
+    _, traces = recorded
     sim = mods["simulate"]
     for mode, source in (("aspire", "aspire"), ("aspire_fsm", "aspire_fixed")):
-        # priced by the recorded aspire run's own cost model (its final online fit)
-        costs = sim.load_costs(str(path), "aspire", traces.meta)
+        # the coefficients the recorded aspire run decided by (here the prior: too few step
+        # shapes on the CPU for a fit), so that the simulated requests choose alike
+        cm = traces.modes["aspire"]["breakdown"]["cost_model"]
+        costs = sim.StepCosts(cm["b_model"], cm["b_tok"], cm["b_kv"])
         s = sim.simulate(traces, mode, costs)
         assert s["trace"]["source"] == source
         if mode in traces.modes:
@@ -155,6 +157,11 @@ def test_costs_from_measurements(mods, tmp_path):
         assert md.chain_b_model is not None and md.chain_b_model < md.b_model
         with pytest.raises(SystemExit, match="no measured run"):
             sim.load_costs(str(bench), "specattn", smol)
+    stats = tmp_path / "stats.json"  # a run whose cost model kept its prior measured nothing
+    stats.write_text(json.dumps({"cost_model": {"b_model": 1e-2, "b_tok": 1e-4, "b_kv": 1e-6,
+                                                "status": "prior"}, "timings": {}, "steps": 9}))
+    with pytest.raises(SystemExit, match="not fitted"):
+        sim.load_costs(str(stats), "ar", smol)
     floor = ROOT / "docs" / "bench_floor_h200_qwen05b_32k_chains.json"
     if floor.exists():
         c = sim.load_costs(str(floor), "ar", smol)
