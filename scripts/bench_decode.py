@@ -84,13 +84,16 @@ def _committed(engine, finished: dict) -> int:
         sum(len(o.token_ids) for o in finished.values())  # fmt: skip
 
 
-def prefill_batch(engine, prompts: list[list[int]], params: SamplingParams,
+def prefill_batch(engine, prompts: list[list[int]],
+                  params: SamplingParams | list[SamplingParams],
                   desc: str) -> tuple[list[str], dict]:  # fmt: skip
-    """Add the requests and run their prompts only, so that every one of them starts decoding
-    in the same step; returns their ids and the outputs of any that already finished."""
+    """Add the requests (one params for all, or one each) and run their prompts only, so that
+    every one of them starts decoding in the same step; returns their ids and the outputs of
+    any that already finished."""
     ids = [f"{desc}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, p, sp in zip(ids, prompts, each, strict=True):
+        engine.add_request(rid, p, sp)
     finished = {}
     engine.scheduler.pause_decoding = True
     while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):

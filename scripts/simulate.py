@@ -32,7 +32,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass
 
-from bench_decode import DUMMY_SHAPES, _diff, mode_options, summarize
+from bench_decode import DUMMY_SHAPES, _diff, mode_options, prefill_batch, summarize
 from traces import Traces, policy_of
 
 from aspire_ray import SamplingParams
@@ -187,18 +187,8 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
 def _prefill(engine: LLMEngine, prompt_lens: list[int],
              max_tokens: list[int]) -> tuple[list[str], dict]:  # fmt: skip
     """bench_decode.prefill_batch with each request's own max_tokens (its recorded length)."""
-    ids = [f"sim-{i}" for i in range(len(prompt_lens))]
-    for rid, n, m in zip(ids, prompt_lens, max_tokens, strict=True):
-        engine.add_request(rid, [0] * n, SamplingParams(max_tokens=m, temperature=0.0,
-                                                        ignore_eos=True))
-    finished = {}
-    engine.scheduler.pause_decoding = True
-    while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    engine.scheduler.pause_decoding = False
-    return ids, finished
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    return prefill_batch(engine, [[0] * n for n in prompt_lens], params, "sim")
 
 
 def _committed(engine, finished: dict) -> int:
