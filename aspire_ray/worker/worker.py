@@ -66,6 +66,8 @@ class Worker:
         self.backend = get_backend(cfg.attention_backend, self.device)
         self.selector = make_selector(cfg.spec)
         self.refresh_layer = self._refresh_layer()
+        # measured once, before the KV pool takes the device's memory (describe() reports it)
+        self.memory_bandwidth = _memory_bandwidth(self.device)
         self.kv_caches = self._allocate_kv()
         self.requests: dict[str, WorkerRequest] = {}
         self.page_table = PageTable(self.device)
@@ -157,7 +159,7 @@ class Worker:
             "weight_bytes": sum(p.numel() * p.element_size()
                                 for name, p in self.model.named_parameters()
                                 if "embed_tokens" not in name),
-            "memory_bandwidth": _memory_bandwidth(self.device),
+            "memory_bandwidth": self.memory_bandwidth,
         }
 
     # ---- one step ----------------------------------------------------------------------------
