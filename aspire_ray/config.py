@@ -76,9 +76,10 @@ class SpecConfig:
     # instead of one per draft step.
     draft_chains: bool = True
     # With draft_chains: a chain that ends its round carries the round's verification in the
-    # same plan (one host round trip per round). Off by default: on an H200 it made magicdec
-    # 8% faster and aspire_fixed 11% slower (docs/benchmarks.md §8.5; not yet explained).
-    chain_verify: bool = False
+    # same plan (one host round trip per round; the worker plans the verification while the
+    # GPU runs the chain). On an H200 with the draft-step graphs it made magicdec 10-28% and
+    # aspire_fixed 7-20% faster (docs/benchmarks.md §8.6).
+    chain_verify: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in SPEC_MODES,
@@ -137,6 +138,10 @@ class EngineConfig:
     # CUDA graphs (cuda, tp 1, triton backend): one graph per decode step, piecewise graphs of
     # the dense layers for steps with prefill rows; False: eager.
     cuda_graphs: bool = True
+    # With cuda_graphs and draft chains: each draft step of a chain is one graph that plans its
+    # own page lists and work on the device (worker/draft_graphs.py); False: the host plans
+    # each step and the scored policies' refresh layer runs eagerly between two graphs.
+    draft_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -26,17 +26,20 @@ _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per program
 
 
-@triton.jit(do_not_specialize=["num_items"])  # varies every step: no new variants mid-serving
+# vary every step (or bucket): no new variants mid-serving
+@triton.jit(do_not_specialize=["work_ptr", "count_ptr", "capacity"])
 def _token_max_probs_kernel(
-    q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, num_items, kv_indptr_ptr, kv_indices_ptr,
+    q_ptr, lse_ptr, kv_ptr, out_ptr, work_ptr, count_ptr, capacity, kv_indptr_ptr, kv_indices_ptr,
     last_len_ptr, stride_qr, stride_qh, stride_lr, stride_kp, stride_ks, stride_kh, scale_log2,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     wid = tl.program_id(0)
+    if wid >= tl.load(count_ptr):  # the grid covers the capacity (CUDA graphs)
+        return
     row = tl.load(work_ptr + wid)
-    start = tl.load(work_ptr + num_items + wid)
+    start = tl.load(work_ptr + capacity + wid)
     page_lo = tl.load(kv_indptr_ptr + row)
     n_slots = (tl.load(kv_indptr_ptr + row + 1) - page_lo) * PAGE_SIZE
     kv_len = n_slots - PAGE_SIZE + tl.load(last_len_ptr + row)
@@ -63,22 +66,34 @@ def _token_max_probs_kernel(
     tl.store(out_ptr + page_lo.to(tl.int64) * PAGE_SIZE + n, best, mask=n < n_slots)
 
 
-def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, int]:
-    """int32 [2, W] (row, first token) per program; cached on the metadata object."""
+def _host_work(meta: PagedKVMeta) -> np.ndarray:
+    """int64 [2, W]: (row, first token) of each program."""
+    slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
+    per_row = -(-slots // BLOCK_N)
+    return np.stack([np.repeat(np.arange(len(per_row)), per_row), ragged_arange(per_row) * BLOCK_N])
+
+
+def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(work int32 [2, W], count int32 [1], W) on the device; cached on the metadata object."""
     cache = meta.__dict__.setdefault("_triton_score_work", {})
     if BLOCK_N not in cache:
-        slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
-        per_row = -(-slots // BLOCK_N)
-        rows = np.repeat(np.arange(len(per_row)), per_row)
-        work = np.stack([rows, ragged_arange(per_row) * BLOCK_N]).astype(np.int32)
-        cache[BLOCK_N] = (upload(work, meta.kv_indptr.device), work.shape[1])
+        work = _host_work(meta)
+        w = work.shape[1]
+        dev = upload(np.concatenate([[w, 0, 0, 0], work.reshape(-1)]).astype(np.int32),
+                     meta.kv_indptr.device)  # fmt: skip
+        cache[BLOCK_N] = (dev[4:].view(2, w), dev[:1], w)
     return cache[BLOCK_N]
 
 
 def token_max_probs(
-    q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float
+    q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [R, Hq, D], lse [R, Hq] float32 -> float32 [nnz_pages, page_size] (0 past kv_len)."""
+    """q [R, Hq, D], lse [R, Hq] float32 -> float32 [nnz_pages, page_size] (0 past kv_len).
+
+    work: (int32 [2, capacity], int32 [1] count), a work list planned on the device
+    (``device_plan.score_items``, CUDA graphs): the grid covers the capacity. None: planned
+    from the metadata's host copies."""
     check_q(q, kv_cache)
     check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
     check_meta(meta, q.device)
@@ -96,9 +111,12 @@ def token_max_probs(
     out = torch.empty(meta.kv_indices.shape[0], ps, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    work, num_items = _work(meta)
-    _token_max_probs_kernel[(num_items,)](
-        q, lse, kv_cache, out, work, num_items, meta.kv_indptr, meta.kv_indices,
+    if work is not None:
+        (work, count), capacity = work, work[0].shape[1]
+    else:
+        work, count, capacity = _work(meta)
+    _token_max_probs_kernel[(capacity,)](
+        q, lse, kv_cache, out, work, count, capacity, meta.kv_indptr, meta.kv_indices,
         meta.kv_last_page_len, q.stride(0), q.stride(1), lse.stride(0), kv_cache.stride(0),
         kv_cache.stride(2), kv_cache.stride(3), scale * _LOG2E,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),

@@ -33,6 +33,7 @@ import triton.language as tl
 
 # defined without triton (importers that only need the config or checks use that module)
 from .attention_config import DEFAULT_CONFIG, AttentionConfig, check_cache, check_meta, check_q
+from .device_plan import decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
 
@@ -405,6 +406,39 @@ class FixedPlan:
         upload(_pack(self.starts, self.segments, works, self.buffer.shape[0]), self.device,
                self.buffer)
         return True
+
+    def load_decode(self, kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int) -> None:
+        """Write the plan of one-query rows (kv_indptr int [R + 1], last_len int [R]; rows of
+        no page get no work) from the device metadata: no host copy, no sync, capturable. The
+        caller sizes the plan (``decode_capacity``): work past a capacity would be dropped."""
+        bm = int(_block_m(np.ones(1, np.int64), self.group, self.config)[0])
+        for launch in self.plan.launches:
+            if launch.block_m != bm:
+                launch.count.zero_()
+                continue
+            items, count, merge, n_merge = decode_attention_items(
+                kv_indptr, last_len, page_size, self.group, self.hkv, self.config,
+                _num_sms(self.device), launch.capacity)
+            launch.work.copy_(items)
+            launch.count.copy_(count)
+            self.plan.merge.work[:, : merge.shape[1]].copy_(merge)
+            self.plan.merge.count.copy_(n_merge)
+
+    @classmethod
+    def for_decode(cls, rows: int, max_pages: int, num_q_heads: int, hkv: int, head_dim: int,
+                   device: torch.device, config: AttentionConfig = DEFAULT_CONFIG,
+                   share: FixedPlan | None = None) -> FixedPlan:  # fmt: skip
+        """A plan for ``load_decode``: rows of one query listing at most ``max_pages`` pages
+        in all. Items: at most spread + rows (automatic chunks), or max_pages / chunk + rows
+        (fixed chunks); every item may be a partial row."""
+        group = num_q_heads // hkv
+        cfg = _config_for(config, group)
+        if cfg.kv_chunk_pages is not None:
+            items = -(-max_pages // cfg.kv_chunk_pages) + rows
+        else:
+            items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows
+        return cls(group, hkv, num_q_heads, head_dim, block_ms_for(1, group, cfg), items, rows,
+                   items, device, config, share)
 
 
 def block_ms_for(max_q: int, group: int, config: AttentionConfig = DEFAULT_CONFIG) -> list[int]:

@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -47,20 +48,29 @@ DUMMY_SHAPES = {
 }
 
 
-VARIANTS = {  # MODE/VARIANT: MODE with these SpecConfig options, to compare in one run
+VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one run
     "": {},
     "nochain": {"draft_chains": False},  # one plan per draft step
     "round": {"chain_verify": True},  # chains that carry their round's verification
+    "noround": {"chain_verify": False},  # the verification as a plan of its own
+    "hostplan": {"draft_graphs": False},  # chain steps planned on the host, not in their graph
 }
 
 
 def mode_options(mode: str) -> tuple[str, dict]:
-    """A benchmark mode -> (spec mode, LLM options), e.g. "magicdec/nochain" (VARIANTS)."""
+    """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
+    VARIANTS or gN (gamma = N), or several joined by "+", e.g. "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
-    if variant not in VARIANTS:
-        raise SystemExit(f"unknown mode variant {variant!r} in {mode!r} (known: "
-                         f"{', '.join(v for v in VARIANTS if v)})")
-    return spec_mode, dict(VARIANTS[variant])
+    options = {}
+    for part in variant.split("+") if variant else [""]:
+        if re.fullmatch(r"g\d+", part):
+            options["gamma"] = int(part[1:])
+        elif part in VARIANTS:
+            options.update(VARIANTS[part])
+        else:
+            raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, "
+                             f"{', '.join(v for v in VARIANTS if v)})")
+    return spec_mode, options
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -294,9 +304,10 @@ def main() -> None:
 
 def llm_gamma(mode: str, args) -> int | None:
     """The fixed draft length a mode ran with (None: per request)."""
-    if mode_options(mode)[0] not in ("magicdec", "specattn", "aspire_fixed"):
+    spec_mode, options = mode_options(mode)
+    if spec_mode not in ("magicdec", "specattn", "aspire_fixed"):
         return None
-    return args.gamma or SpecConfig().gamma
+    return options.get("gamma") or args.gamma or SpecConfig().gamma
 
 
 def largest_batch(llm: LLM, ctx: str, args) -> int:

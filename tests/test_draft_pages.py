@@ -76,7 +76,7 @@ def test_score_table_grows_and_keeps_rows():
     table = PageScoreTable(torch.device("cpu"), width=2, slots=1)
     table.ensure_slots(2)
     a, b = 0, 1
-    assert table.scores.shape[0] == 2
+    assert table.scores.shape[0] == 3 and table.scratch == 2  # and the scratch row
     table.scores[a, :2] = torch.tensor([1.0, 2.0])
     table.ensure_width(5)
     assert table.width >= 5 and table.scores[a, :2].tolist() == [1.0, 2.0]

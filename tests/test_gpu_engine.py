@@ -64,3 +64,12 @@ def test_every_mode_vs_ar_on_gpu(dtype):
         if dtype == "float32":
             assert got == expected, mode
     print(f"\n{dtype} identical-request rate vs ar: {rates}")
+
+
+@pytest.mark.parametrize("mode", ["magicdec", "specattn", "aspire_fixed"])
+def test_draft_graphs_on_gpu(mode):
+    # chain steps as self-planning graphs (the default) vs planned on the host: same output
+    graphed = _run(mode, "float32")
+    steps = _run.last_worker.draft_graphs.steps
+    assert graphed == _run(mode, "float32", draft_graphs=False) == _run("ar", "float32")
+    assert steps > 20, "draft steps did not replay the draft-step graphs"

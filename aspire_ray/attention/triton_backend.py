@@ -46,8 +46,10 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: PagedKVMeta,
         scale: float,
+        work: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return token_max_probs(q, lse, kv_cache, meta, scale)
+        """work: a device-planned work list (CUDA graphs; ``page_scores.token_max_probs``)."""
+        return token_max_probs(q, lse, kv_cache, meta, scale, work)
 
 
 register_backend("triton", TritonBackend)

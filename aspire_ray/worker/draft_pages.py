@@ -18,17 +18,22 @@ class PageScoreTable:
 
     A request's row is its page-table slot (``page_table.py``). Row s holds the request's scores
     for the pages its scoring queries saw, averaged over those queries (DESIGN.md §1.2), and 0
-    past them; it is rewritten whole each time the request is scored.
+    past them; it is rewritten whole each time the request is scored. One more row, the last
+    (``scratch``), belongs to no request: fixed-shape writes of padding rows land there.
     """
 
     def __init__(self, device: torch.device, width: int = 64, slots: int = 16) -> None:
         self.device = device
-        self.scores = torch.zeros(slots, width, dtype=torch.float32, device=device)
+        self.scores = torch.zeros(slots + 1, width, dtype=torch.float32, device=device)
+
+    @property
+    def scratch(self) -> int:
+        return self.scores.shape[0] - 1
 
     def ensure_slots(self, slots: int) -> None:
         """Rows for slots [0, slots) (the page table's slot count; called while planning)."""
-        if slots > self.scores.shape[0]:
-            self._resize(slots, self.scores.shape[1])
+        if slots + 1 > self.scores.shape[0]:
+            self._resize(slots + 1, self.scores.shape[1])
 
     def ensure_width(self, pages: int) -> None:
         """Make room for requests of ``pages`` pages (called while planning, before any use)."""
@@ -37,7 +42,7 @@ class PageScoreTable:
 
     def _resize(self, slots: int, width: int) -> None:
         grown = torch.zeros(slots, width, dtype=torch.float32, device=self.device)
-        grown[: self.scores.shape[0], : self.scores.shape[1]] = self.scores
+        grown[: self.scratch, : self.scores.shape[1]] = self.scores[: self.scratch]
         self.scores = grown
 
     @property

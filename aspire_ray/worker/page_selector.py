@@ -8,6 +8,8 @@ last (so the partly filled last page lines up with ``kv_last_page_len``). Budget
 three numbers per row, so that the worker can build every draft row's list in one batch (the
 top-k part on the device, ``draft_pages.py``): the list is pages [0, head_end), then the n_top
 best-scoring candidates of [head_end, tail_start) in ascending order, then [tail_start, P).
+``layout`` takes host (numpy) or device (torch) page counts: the draft-step graphs
+(``draft_graphs.py``) lay out their lists on the device with the same formula.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ class PageSelector:
     def select(self, scores: torch.Tensor | None, num_pages: int) -> list[int]:
         raise NotImplementedError
 
-    def budgets(self, num_pages: np.ndarray) -> np.ndarray:
+    def budgets(self, num_pages: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """``budget`` of every entry of int64 [R] (the same float64 arithmetic)."""
+        if isinstance(num_pages, torch.Tensor):
+            return torch.ceil(self.cfg.rho * num_pages.double()).long().clamp(min=self.cfg.k_min)
         return np.maximum(self.cfg.k_min, np.ceil(self.cfg.rho * num_pages).astype(np.int64))
 
-    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int64 [R] page counts -> (head_end, n_top, tail_start), each int64 [R]."""
+    def layout(self, num_pages):
+        """int64 [R] page counts (numpy or torch) -> (head_end, n_top, tail_start), each int64
+        [R] of the same kind."""
         raise NotImplementedError
 
 
@@ -50,11 +55,12 @@ class StreamingWindow(PageSelector):
             return list(range(num_pages))
         return [0] + list(range(num_pages - (k - 1), num_pages))
 
-    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def layout(self, num_pages):
+        xp = _namespace(num_pages)
         k = self.budgets(num_pages)
         full = num_pages <= k
-        head_end = np.where(full, num_pages, 1)
-        return head_end, np.zeros_like(num_pages), np.where(full, num_pages, num_pages - (k - 1))
+        head_end = xp.where(full, num_pages, 1)
+        return head_end, xp.zeros_like(num_pages), xp.where(full, num_pages, num_pages - (k - 1))
 
 
 class TopKPages(PageSelector):
@@ -86,16 +92,22 @@ class TopKPages(PageSelector):
             middle = sorted((top + first_candidate).tolist())
         return sink + middle + list(range(recent_start, num_pages))
 
-    def layout(self, num_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def layout(self, num_pages):
         # Without scores the middle is the window just before the recent pages: the device
         # selection gives such rows ascending scores, so their latest candidates win.
         k = self.budgets(num_pages)
         full = num_pages <= k
         sink = int(self.cfg.keep_sink_page)
         recent = self.cfg.recent_pages
-        head_end = np.where(full, num_pages, sink)
-        n_top = np.where(full, 0, k - recent - sink)
-        return head_end, n_top, np.where(full, num_pages, num_pages - recent)
+        xp = _namespace(num_pages)
+        head_end = xp.where(full, num_pages, sink)
+        n_top = xp.where(full, 0, k - recent - sink)
+        return head_end, n_top, xp.where(full, num_pages, num_pages - recent)
+
+
+def _namespace(x):
+    """numpy or torch: both spell where / zeros_like alike."""
+    return torch if isinstance(x, torch.Tensor) else np
 
 
 def make_selector(cfg: SpecConfig) -> PageSelector | None:

@@ -89,7 +89,7 @@ class StepGraphs:
                            fixed_plan=self.plans[n])  # fmt: skip
         return self.plans[n], meta
 
-    def _layers(self, n: int, lo: int, hi: int, meta: PagedKVMeta,
+    def layers(self, n: int, lo: int, hi: int, meta: PagedKVMeta,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
         """Layers [lo, hi) with their attention; then the final norm (hi = L, returned) or
         layer hi's q (into the shared q buffer) and KV store."""
@@ -118,7 +118,7 @@ class StepGraphs:
         num_layers = len(self.model.layers)
         spans = [(0, num_layers)] if self.split is None else \
             [(0, self.split), (self.split + 1, num_layers)]  # fmt: skip
-        fns = [lambda lo=lo, hi=hi: self._layers(n, lo, hi, meta, kv_caches) for lo, hi in spans]
+        fns = [lambda lo=lo, hi=hi: self.layers(n, lo, hi, meta, kv_caches) for lo, hi in spans]
         with torch.inference_mode():
             p.inputs_for(n, kv_caches)
             p.inputs[n][2].fill_(-1)  # the warm-up run and the capture write no KV

@@ -27,6 +27,7 @@ from aspire_ray.tp import TPGroup, single_rank
 
 from . import rejection_sampler, sampler
 from .cuda_graphs import PiecewiseGraphs
+from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
 from .page_selector import make_selector
@@ -70,11 +71,17 @@ class Worker:
         self.memory_bandwidth = _memory_bandwidth(self.device)
         self.kv_caches = self._allocate_kv()
         self.requests: dict[str, WorkerRequest] = {}
-        self.page_table = PageTable(self.device)
-        self.scores = PageScoreTable(self.device) \
+        # sized for max_num_seqs requests of the longest context: they never grow in use (the
+        # draft-step graphs read them at fixed addresses)
+        width = table_widths(cfg.scheduler.max_model_len or self.arch.max_position_embeddings,
+                             self.page_size)  # fmt: skip
+        slots = cfg.scheduler.max_num_seqs
+        self.page_table = PageTable(self.device, width, slots)
+        self.scores = PageScoreTable(self.device, width, slots) \
             if self.selector is not None and self.selector.uses_scores else None  # fmt: skip
         self.graphs = self._graphs()
         self.step_graphs = self._step_graphs()
+        self.draft_graphs = self._draft_graphs()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -103,6 +110,16 @@ class Worker:
         max_tokens = self.cfg.scheduler.max_num_seqs * self.max_q
         return StepGraphs(self.graphs, self.refresh_layer if scoring else None, self.max_q,
                           max_tokens, self.backend.config)  # fmt: skip
+
+    def _draft_graphs(self) -> DraftStepGraphs | None:
+        """Self-planning graphs of draft-chain steps (synchronized modes with chains)."""
+        spec = self.cfg.spec
+        if self.step_graphs is None or not (self.cfg.draft_graphs and spec.synchronized
+                                            and spec.draft_chains):  # fmt: skip
+            return None
+        refresh = spec.refresh_while_drafting and self.selector.uses_scores
+        return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
+                               self.page_table, self.scores, self.cfg.scheduler.max_num_seqs)
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -229,14 +246,16 @@ class Worker:
                 raise ValueError(f"a draft chain holds greedy draft rows of {steps} steps only "
                                  f"(all verifying after or none), got {row.kind.name} row "
                                  f"{row.req_id!r} of {row.num_steps}")
-        first = torch.arange(len(rows), device=self.device)  # a draft row's one input token
-        tokens, drafts, refresh = None, [], 0.0
-        for s in range(steps):
-            logits, batch, _ = self._forward(rows, None if tokens is None else (first, tokens),
-                                             shift=s)  # fmt: skip
-            tokens = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
-            drafts.append(tokens)
-            refresh += batch.attention.refresh_seconds
+        drafts, refresh = self._draft_graph_chain(rows, steps), 0.0
+        if drafts is None:  # one planned forward per step
+            first = torch.arange(len(rows), device=self.device)  # a draft row's input token
+            tokens, drafts = None, []
+            for s in range(steps):
+                logits, batch, _ = self._forward(
+                    rows, None if tokens is None else (first, tokens), shift=s)
+                tokens = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
+                drafts.append(tokens)
+                refresh += batch.attention.refresh_seconds
         out = torch.stack(drafts, dim=1).flatten()  # [R * steps], row-major
         if verify:  # inputs [x_n, d_1..d_d] known on the host, the chain's drafts after them
             known = np.array([len(row.verify_after) for row in rows], dtype=np.int64)
@@ -263,6 +282,26 @@ class Worker:
                    "refresh": refresh}
         return StepOutput(step_id, results, timings)
 
+    def _draft_graph_chain(self, rows: list[RowPlan], steps: int) -> list[torch.Tensor] | None:
+        """The chain's draft steps replayed by the draft-step graphs -> each step's drafts
+        (int64 [R] on the device), or None where they do not run (no graphs; too many rows)."""
+        graphs = self.draft_graphs
+        if graphs is None or graphs.bucket(len(rows)) is None:
+            return None
+        reqs = [self.requests[row.req_id] for row in rows]
+        slots = [req.slot for req in reqs]
+        final = [-(-(row.start_pos + steps) // self.page_size) for row in rows]
+        for row, slot, pages in zip(rows, slots, final, strict=True):
+            if pages > self.page_table.sizes[slot]:
+                raise RuntimeError(f"request {row.req_id}: {self.page_table.sizes[slot]} pages "
+                                   f"cannot hold {row.start_pos + steps} tokens")
+        drafts = graphs.run(rows, slots, [req.scored_pages > 0 for req in reqs], steps,
+                            self.kv_caches)  # fmt: skip
+        if graphs.refresh:  # every step scored every row
+            for req, pages in zip(reqs, final, strict=True):
+                req.scored_pages = pages
+        return drafts
+
     def _drop(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
         if req is not None:
@@ -283,9 +322,11 @@ class Worker:
             try:
                 self.graphs.capture_all(self.kv_caches)
                 self.step_graphs.capture_all(self.kv_caches)
+                if self.draft_graphs is not None:
+                    self.draft_graphs.capture_all(self.kv_caches)
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e)
-                self.graphs = self.step_graphs = None
+                self.graphs = self.step_graphs = self.draft_graphs = None
         spec, ps = self.cfg.spec, self.page_size
         max_d = self.max_q - 1
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them

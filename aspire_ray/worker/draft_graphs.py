@@ -1,0 +1,254 @@
+"""Draft steps of a chain as CUDA graphs that plan themselves on the device (issue 14 items 1, 3).
+
+A draft chain (``Worker._execute_chain``) runs k greedy draft steps of the same rows, one query
+each, at positions p, p + 1, ..., p + k - 1. Everything such a step needs follows from three
+numbers per row kept on the device (its page-table slot, the position of its input token, the
+input token) and the device tables (pages, page scores), so one graph per bucket of rows runs
+the whole step, its planning included:
+
+    plan     KV slots and page counts from the positions; the full and sparse page lists (the
+             policy's ``layout``, the top-k middle chosen from the score table); the attention
+             and scoring work lists (``kernels/device_plan.py``, fixed capacities)
+    layers   before the refresh layer l_r: sparse lists
+    l_r      refresh while drafting (scored policies): full lists, page scores into the score
+             table, the middles re-chosen from them; otherwise sparse lists
+    layers   after l_r: sparse lists
+    logits   argmax -> the next step's input token; position + 1
+
+The host uploads the rows' numbers once per chain and replays the graph k times: no host
+planning between the draft steps, no eager layer between two graphs. The lists and work items
+are those ``StepBatch`` and the host plans give (same order, same split), so the drafts are the
+same (``tests/test_draft_graphs.py``).
+
+Padding rows of a bucket hold no page: no KV written, no work item, their page scores go to the
+score table's scratch row. The graphs read the page and score tables at fixed addresses: a
+resized table (more slots or pages than the worker sized them for) means a recapture.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.device_plan import score_items
+from aspire_ray.kernels.host import upload
+from aspire_ray.plan import RowPlan
+
+from .draft_pages import PageScoreTable, choose_top_pages
+from .page_selector import PageSelector
+from .page_table import PageTable
+from .step_graphs import StepGraphs
+
+if TYPE_CHECKING:
+    from aspire_ray.kernels.paged_attention import FixedPlan
+
+_LIVE, _SCORED = 1, 2  # row flags: a real row; its request has page scores
+
+
+class DraftStepGraphs:
+    def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
+                 refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
+                 max_rows: int) -> None:  # fmt: skip
+        """refresh: the refresh layer attends to full lists and rescores (refresh while
+        drafting with a scored policy); max_rows: the most rows of a chain."""
+        self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
+        self.model = self.pieces.model
+        self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
+        self.page_table, self.scores = page_table, scores
+        self.buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
+        self.state: dict[int, torch.Tensor] = {}  # n -> int64 [4, n]: ids, pos, slot, flags
+        self.graphs: dict[int, object] = {}
+        self.plans: dict[tuple[int, bool], FixedPlan] = {}
+        self._key = None
+        self._pool_pages = 0
+        self.steps = 0  # draft steps replayed
+
+    def bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:
+        scores = self.scores.scores if self.scores is not None else None
+        return (kv_caches[0].data_ptr(), self.page_table.table.data_ptr(),
+                tuple(self.page_table.table.shape),
+                None if scores is None else (scores.data_ptr(), tuple(scores.shape)))
+
+    def ensure(self, n: int, kv_caches: list[torch.Tensor]) -> None:
+        """Bucket n's graph, captured against the current tables (recaptured if they moved)."""
+        key = self._tables_key(kv_caches)
+        if key != self._key:
+            self.graphs.clear()
+            self.plans.clear()  # capacities follow the pool and the tables
+            self._key, self._pool_pages = key, kv_caches[0].shape[0]
+        if n not in self.graphs:
+            self._capture(n, kv_caches)
+
+    def capture_all(self, kv_caches: list[torch.Tensor]) -> None:
+        for n in reversed(self.buckets):
+            self.ensure(n, kv_caches)
+
+    def _plan(self, n: int, full: bool) -> FixedPlan:
+        """The attention plan of bucket n's sparse (full=False) or full lists."""
+        if (n, full) not in self.plans:
+            from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
+
+            attn = self.model.layers[0].self_attn
+            # plans run one after another: they may share their partial buffers
+            largest = max(self.plans.values(), key=lambda p: p.plan.part_rows, default=None)
+            self.plans[n, full] = FixedPlan.for_decode(
+                n, self._capacity(n, full), attn.q_heads, attn.kv_heads, attn.head_dim,
+                self.pieces.device, self.step_graphs.config, share=largest)
+        return self.plans[n, full]
+
+    def _capacity(self, n: int, full: bool) -> int:
+        """Most pages bucket n's lists hold: full lists at most the pool (rows never share a
+        page), sparse lists at most the budget of the widest request each."""
+        if full:
+            return self._pool_pages
+        return n * self.selector.budget(self.page_table.width)
+
+    def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
+        p = self.pieces
+        with torch.inference_mode():
+            p.inputs_for(n, kv_caches)
+            if n not in self.state:
+                self.state[n] = torch.zeros(4, n, dtype=torch.int64, device=p.device)
+            state = self.state[n]
+            fn = lambda: self._step(n, state, kv_caches)  # noqa: E731
+            state.zero_()  # no live row: the warm-up run and the capture write nothing
+            p.run_captures([fn])
+            state.zero_()
+            (graph,), _ = p.run_captures([fn], capture=True)
+        self.graphs[n] = graph
+
+    # ---- the captured step ---------------------------------------------------------------------
+    def _step(self, n: int, state: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
+        ps, dev = kv_caches[0].shape[2], state.device
+        ids, pos, slot, flags = state
+        table = self.page_table.table  # int32 [slots, W]
+        live = flags >= _LIVE
+        row_slot = torch.where(live, slot, 0)
+        pages = torch.where(live, pos // ps + 1, 0)  # [n] pages after this step's token
+        last = torch.where(live, pos + 1 - (pages - 1) * ps, 1).int()
+        block = (pos // ps).clamp(max=table.shape[1] - 1)
+        kv_slot = torch.where(live, table[row_slot, block].long() * ps + pos % ps, -1)
+        self.pieces.inputs[n][:, :n].copy_(torch.stack([ids, pos, kv_slot]))
+
+        head_end, n_top, tail_start = self.selector.layout(pages)
+        counts = head_end + n_top + (pages - tail_start)
+        k_max = self.selector.budget(table.shape[1])
+        j = torch.arange(k_max, device=dev)[None, :]
+        middle_end = (head_end + n_top)[:, None]
+        logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
+                              torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
+        sparse_indptr, template = self._gather(n, counts, logical, row_slot, full=False)
+        sparse = self._meta(n, sparse_indptr, template, last, ps, full=False)
+        choice = None
+        if self.selector.uses_scores:
+            first = int(self.selector.cfg.keep_sink_page)
+            rows = torch.stack([row_slot, tail_start - head_end, n_top,
+                                sparse_indptr[:-1].long() + head_end]).int()  # fmt: skip
+            choice = (template, rows, first, self.page_table.width - first)
+            sparse.kv_indices = self._choose(choice, flags >= _SCORED)
+
+        layers, lr = self.model.layers, self.refresh_layer
+        q, attn_out = self.pieces.q[:n], self.pieces.attn_out[:n]
+        if not self.refresh:
+            hidden = self.step_graphs.layers(n, 0, len(layers), sparse, kv_caches)
+        else:
+            self.step_graphs.layers(n, 0, lr, sparse, kv_caches)
+            j_full = torch.arange(table.shape[1], device=dev)[None, :]
+            full_indptr, full_indices = self._gather(n, pages, j_full.expand(n, -1), row_slot,
+                                                     full=True)  # fmt: skip
+            full = self._meta(n, full_indptr, full_indices, last, ps, full=True)
+            scale = layers[lr].self_attn.scale
+            out, lse = self.pieces.backend.attention(q, kv_caches[lr], full, scale,
+                                                     return_lse=True)  # fmt: skip
+            attn_out.copy_(out)
+            self._rescore(q, lse, kv_caches[lr], full, scale, pages, live, slot)
+            post = PagedKVMeta(sparse.qo_indptr, sparse.kv_indptr,
+                               self._choose(choice, live) if choice else sparse.kv_indices,
+                               sparse.kv_last_page_len, ps, fixed_plan=sparse.fixed_plan)
+            flags.copy_(live.long() * _SCORED)
+            hidden = self.step_graphs.layers(n, lr + 1, len(layers), post, kv_caches)
+        ids.copy_(self.model.compute_logits(hidden).argmax(dim=-1))
+        pos.add_(1)
+
+    def _gather(self, n: int, counts: torch.Tensor, logical: torch.Tensor, row_slot: torch.Tensor,
+                full: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Row r lists the pages logical[r, :counts[r]] (of its slot) -> (kv_indptr int32
+        [n + 1], kv_indices int32 [capacity]; entries past kv_indptr[n] unused)."""
+        cap = self._capacity(n, full)
+        indptr = torch.zeros(n + 1, dtype=torch.long, device=counts.device)
+        indptr[1:] = torch.cumsum(counts, 0)
+        j = torch.arange(logical.shape[1], device=counts.device)[None, :]
+        table = self.page_table.table
+        phys = table[row_slot[:, None], logical.clamp(0, table.shape[1] - 1)]
+        dest = torch.where(j < counts[:, None], indptr[:-1, None] + j, cap)
+        indices = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
+        indices.scatter_(0, dest.flatten(), phys.flatten())
+        return indptr.int(), indices[:cap]
+
+    def _meta(self, n: int, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+              ps: int, full: bool) -> PagedKVMeta:  # fmt: skip
+        plan = self._plan(n, full)
+        plan.load_decode(indptr, last, ps)
+        qo = torch.arange(n + 1, dtype=torch.int32, device=indptr.device)
+        return PagedKVMeta(qo, indptr, indices, last, ps, fixed_plan=plan)
+
+    def _choose(self, choice, has_scores: torch.Tensor) -> torch.Tensor:
+        template, rows, first, max_candidates = choice
+        return choose_top_pages(template, self.page_table.table, self.scores, rows, has_scores,
+                                first, max_candidates)  # fmt: skip
+
+    def _rescore(self, q, lse, kv_cache, full: PagedKVMeta, scale: float, pages: torch.Tensor,
+                 live: torch.Tensor, slot: torch.Tensor) -> None:  # fmt: skip
+        """Each live row's page scores (its one query's, DESIGN.md §1.2) replace its row of the
+        score table; padding rows write the scratch row."""
+        from aspire_ray.kernels.page_scores import BLOCK_N
+
+        ps, cap = full.page_size, full.kv_indices.shape[0]
+        work, count = score_items(full.kv_indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + q.shape[0])
+        probs = self.pieces.backend.token_max_probs(q, lse, kv_cache, full, scale,
+                                                    work=(work.int(), count.int()))  # fmt: skip
+        page_scores = probs.sum(dim=-1)  # [cap] float32
+        width = self.scores.width
+        j = torch.arange(width, device=q.device)[None, :]
+        at = (full.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
+        rows = torch.where(j < pages[:, None], page_scores[at], 0.0)
+        self.scores.scores.index_copy_(0, torch.where(live, slot, self.scores.scratch), rows)
+
+    # ---- one chain -----------------------------------------------------------------------------
+    def run(self, rows: list[RowPlan], slots: list[int], scored: list[bool], steps: int,
+            kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Replay ``steps`` draft steps of ``rows`` (draft rows of one query; their pages in
+        the page table; slots: their page-table slots; scored: whether their requests have page
+        scores) -> each step's draft tokens, int64 [R] on the device (no sync)."""
+        n = self.bucket(len(rows))
+        if self.scores is not None:  # before the capture check: a resize means a recapture
+            self.scores.ensure_slots(self.page_table.slots)
+            self.scores.ensure_width(self.page_table.width)
+        self.page_table.flush()
+        self.ensure(n, kv_caches)
+        state = np.zeros((4, n), dtype=np.int64)
+        state[0, : len(rows)] = [row.token_ids[0] for row in rows]
+        state[1, : len(rows)] = [row.start_pos for row in rows]
+        state[2, : len(rows)] = slots
+        state[3, : len(rows)] = np.where(scored, _SCORED, _LIVE)
+        upload(state, self.pieces.device, self.state[n])
+        drafts = []
+        for _ in range(steps):
+            self.graphs[n].replay()
+            drafts.append(self.state[n][0, : len(rows)].clone())
+        self.steps += steps
+        return drafts
+
+
+def table_widths(max_model_len: int, page_size: int) -> int:
+    """Pages of the longest request: the width the page and score tables start at, so that
+    the draft-step graphs never see them move."""
+    return math.ceil(max_model_len / page_size)

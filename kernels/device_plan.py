@@ -1,0 +1,84 @@
+"""Decode-row work lists planned on the device, at fixed capacities (CUDA-graph draft steps).
+
+``paged_attention._host_plan`` and ``page_scores._host_work`` plan a step's work from host
+copies of its metadata. A draft step of a chain has page lists that only the device knows
+(their lengths follow the positions, which move on the device from step to step), so this
+module computes the same work lists from the device metadata with fixed-shape tensor ops: no
+host copies, no device sync, capturable in a CUDA graph. Rows hold one query each (decode and
+draft rows); rows listing no page (a bucket's padding) get no work.
+
+Meaning: for such rows, the items equal ``_host_plan``'s item for item, so the attention's
+split and merge order, and with it every bit of its output, is the host plan's
+(``tests/kernels/test_device_plan.py``). Pure torch: imports without triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_config import AttentionConfig
+
+
+def ragged_fixed(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:  # fmt: skip
+    """int64 [R] counts -> (row, local), int64 [capacity] each, and the total, int64 [1]:
+    entry e < total is the local-th entry of row ``row``; entries past the total are row R - 1
+    with a local index past its count (callers mask them with ``e < total``)."""
+    ends = torch.cumsum(counts, 0)
+    e = torch.arange(capacity, device=counts.device)
+    row = torch.searchsorted(ends, e, right=True).clamp_(max=counts.shape[0] - 1)
+    return row, e - (ends - counts)[row], ends[-1:]
+
+
+def decode_attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int,
+                           group: int, hkv: int, cfg: AttentionConfig, num_sms: int,
+                           capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]:  # fmt: skip
+    """Attention work of one-query rows, as ``_host_plan`` splits them.
+
+    kv_indptr: int [R + 1]; last_len: int [R] -> (items int64 [6, capacity] with their count
+    int64 [1]; merge entries int64 [4, R] with their count int64 [1]). Columns as the kernels
+    read them: items (row, first query, KV token range lo / hi, split or -1, first partial
+    row); merge entries (output token, splits, first partial row, partial stride 1).
+    """
+    n_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    kv_len = (n_pages - 1) * page_size + last_len.long()
+    if cfg.kv_chunk_pages is not None:
+        chunk = torch.full_like(n_pages[:1], cfg.kv_chunk_pages)
+    else:  # the host's float64 math.ceil(total * hkv / target)
+        target = cfg.waves * num_sms
+        total = n_pages.sum().reshape(1)
+        chunk = torch.ceil((total * hkv).double() / target).long().clamp_(min=cfg.min_chunk_pages)
+    live = n_pages > 0
+    splits = (n_pages + chunk - 1) // chunk if cfg.split_max_q >= 1 else live.long()
+    splits = torch.where(live, splits.clamp(min=1), 0)
+    per = (n_pages + splits - 1) // splits.clamp(min=1)  # pages per chunk, balanced
+    splits = torch.where(live, (n_pages + per - 1) // per.clamp(min=1), 0)
+    split_rows = splits > 1
+    part_rows = torch.where(split_rows, splits, 0)
+    part_base = torch.where(split_rows, torch.cumsum(part_rows, 0) - part_rows, 0)
+
+    row, s, count = ragged_fixed(splits, capacity)
+    is_split = split_rows[row]
+    lo = torch.where(is_split, s * per[row] * page_size, 0)
+    hi = torch.where(is_split, torch.minimum((s + 1) * per[row] * page_size, kv_len[row]),
+                     kv_len[row])  # fmt: skip
+    items = torch.stack([row, torch.zeros_like(row), lo, hi, torch.where(is_split, s, -1),
+                         part_base[row]])  # fmt: skip
+
+    # merge entries: the split rows in row order, compacted
+    rows = torch.arange(n_pages.shape[0], device=n_pages.device)
+    order = torch.cumsum(split_rows.long(), 0) - 1
+    dest = torch.where(split_rows, order, n_pages.shape[0])  # others: a dropped column
+    merge = torch.zeros(4, n_pages.shape[0] + 1, dtype=torch.long, device=n_pages.device)
+    merge.index_copy_(1, dest, torch.stack([rows, splits, part_base, torch.ones_like(rows)]))
+    return items, count, merge[:, :-1], split_rows.sum().reshape(1)
+
+
+def score_items(kv_indptr: torch.Tensor, page_size: int, block_n: int,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The page-scoring kernel's work (``page_scores._host_work``): int64 [2, capacity]
+    (row, first token) per program of ``block_n`` listed tokens, and the count, int64 [1]."""
+    tokens = (kv_indptr[1:] - kv_indptr[:-1]).long() * page_size
+    row, local, count = ragged_fixed((tokens + block_n - 1) // block_n, capacity)
+    return torch.stack([row, local * block_n]), count

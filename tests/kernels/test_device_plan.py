@@ -1,0 +1,86 @@
+"""Work lists planned on the device (``device_plan``, CUDA-graph draft steps) equal the host
+plans item for item, so the attention splits and merges in the same order; padding rows (no
+page) get no work. The fixed plan they load runs the attention as the host plan does."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import paged_case
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.attention_config import AttentionConfig
+from aspire_ray.kernels.device_plan import decode_attention_items, ragged_fixed, score_items
+from aspire_ray.kernels.page_scores import BLOCK_N, _host_work, token_max_probs
+from aspire_ray.kernels.paged_attention import FixedPlan, _host_plan, _num_sms, paged_attention
+
+PS = 16
+CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0),
+           AttentionConfig(kv_chunk_pages=3)]  # fmt: skip
+
+
+def _meta(pages: list[int], lasts: list[int]) -> PagedKVMeta:
+    """One-query rows; rows of 0 pages are padding (they exist on the device only)."""
+    live = [p for p in pages if p]
+    meta = PagedKVMeta.build([1] * len(live), [list(range(p)) for p in live],
+                             [(p - 1) * PS + la for p, la in zip(live, lasts, strict=False)],
+                             PS)  # fmt: skip
+    return meta
+
+
+def test_ragged_fixed():
+    row, local, total = ragged_fixed(torch.tensor([2, 0, 3]), 7)
+    assert total.tolist() == [5]
+    assert row[:5].tolist() == [0, 0, 2, 2, 2] and local[:5].tolist() == [0, 1, 0, 1, 2]
+    assert (local[5:] >= 3).all()  # past the total: outside the last row
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("pages", [[1, 40, 3, 200], [65, 64, 1], [300], [5, 9, 2, 33, 70, 1]])
+def test_attention_items_equal_the_host_plan(cfg, pages):
+    rng = np.random.default_rng(len(pages))
+    lasts = rng.integers(1, PS + 1, len(pages)).tolist()
+    meta = _meta(pages, lasts)
+    group, hkv = 4, 2
+    host = _host_plan(meta, group, hkv, cfg, torch.device("cpu"))
+    (items_host,) = host.items.values()
+    # the same rows with two padding rows (no page) behind them
+    indptr = torch.tensor(meta.kv_indptr_host + [meta.kv_indptr_host[-1]] * 2)
+    last = torch.tensor(lasts + [1, 1])
+    cap = items_host.shape[1] + 5
+    items, count, merge, n_merge = decode_attention_items(indptr, last, PS, group, hkv, cfg,
+                                                          _num_sms(torch.device("cpu")), cap)
+    assert count.item() == items_host.shape[1]
+    assert np.array_equal(items[:, : count.item()].numpy(), items_host)
+    assert n_merge.item() == host.merge.shape[1]
+    assert np.array_equal(merge[:, : n_merge.item()].numpy(), host.merge)
+
+
+def test_score_items_equal_the_host_work():
+    meta = _meta([3, 1, 17], [5, 16, 1])
+    host = _host_work(meta)
+    indptr = torch.tensor(meta.kv_indptr_host + [meta.kv_indptr_host[-1]])
+    work, count = score_items(indptr, PS, BLOCK_N, host.shape[1] + 3)
+    assert count.item() == host.shape[1]
+    assert np.array_equal(work[:, : count.item()].numpy(), host)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg):
+    heads = (8, 2, 64)
+    q, kv, meta = paged_case([1, 1, 1], [700, 33, 260], heads, torch.float32, "cpu", PS, True, 3)
+    expected, lse_expected = paged_attention(q, kv, meta, 0.125, return_lse=True, config=cfg)
+    rows = meta.num_rows + 1  # and one padding row
+    plan = FixedPlan.for_decode(rows, kv.shape[0], heads[0], heads[1], heads[2],
+                                torch.device("cpu"), cfg)  # fmt: skip
+    indptr = torch.cat([meta.kv_indptr, meta.kv_indptr[-1:]])
+    last = torch.cat([meta.kv_last_page_len, torch.ones(1, dtype=torch.int32)])
+    plan.load_decode(indptr, last, PS)
+    fixed = PagedKVMeta(torch.arange(rows + 1, dtype=torch.int32), indptr.int(), meta.kv_indices,
+                        last.int(), PS, fixed_plan=plan)  # fmt: skip
+    q_pad = torch.cat([q, torch.zeros_like(q[:1])])
+    out, lse = paged_attention(q_pad, kv, fixed, 0.125, return_lse=True, config=cfg)
+    assert torch.equal(out[:-1], expected) and torch.equal(lse[:-1], lse_expected)
+    work = score_items(fixed.kv_indptr, PS, BLOCK_N, 64)
+    scores = token_max_probs(q_pad, lse, kv, fixed, 0.125, work=(work[0].int(), work[1].int()))
+    nnz = meta.kv_indices.shape[0]
+    assert torch.equal(scores[:nnz], token_max_probs(q, lse_expected, kv, meta, 0.125))

@@ -1,0 +1,62 @@
+"""Draft-step graphs (``worker/draft_graphs.py``): a chain's draft steps planned on the device
+give the drafts of the host-planned steps, token for token, and the engine's output stays that
+of plain decoding. CPU: Triton's interpreter, graphs emulated by re-running the captured step
+(EagerGraph), so the device planning, the fixed buffers and bucket padding are what is tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import random_prompts, run_staggered
+
+from aspire_ray import SamplingParams
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import RowKind
+
+SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
+
+
+def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
+    from aspire_ray.attention.triton_backend import TritonBackend
+    from aspire_ray.kernels.paged_attention import AttentionConfig
+    from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
+    from aspire_ray.worker.step_graphs import StepGraphs
+
+    cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
+                              num_pages=120, attention_backend="triton", max_num_seqs=4,
+                              page_size=page_size, **SPARSE)  # fmt: skip
+    engine = LLMEngine(cfg)
+    w = engine.executor.worker
+    # 8-page chunks: rows over 8 pages split, so merges and partial buffers are exercised (the
+    # interpreter runs every program in Python: few, to keep this test short)
+    w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=8))
+    w.graphs = PiecewiseGraphs(w.model, w.backend, 16, w.device, EagerGraph)
+    split = w.refresh_layer if w.selector.uses_scores else None
+    w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
+    w.draft_graphs = w._draft_graphs() if draft_graphs else None
+    drafts = []
+    execute = w.execute
+
+    def recording(plan):
+        out = execute(plan)
+        drafts.extend((r.req_id, tuple(r.tokens)) for r in out.results if r.kind == RowKind.DRAFT)
+        return out
+
+    w.execute = recording
+    # 4-token pages: rows of 3 to 14 pages, so the budget (3 pages) cuts most of them
+    prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
+    return run_staggered(engine, prompts, params, arrive_every=2), drafts, w
+
+
+@pytest.mark.slow
+def test_draft_graphs_draft_as_planned_steps(tiny_model_dir):
+    # aspire_fixed: top-k pages chosen from scores, the refresh layer rescoring every step;
+    # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py)
+    model_dir = tiny_model_dir("llama")
+    expected, planned, _ = _run(model_dir, "aspire_fixed", draft_graphs=False)
+    got, drafted, w = _run(model_dir, "aspire_fixed", draft_graphs=True)
+    assert w.draft_graphs.steps > 10, "too few draft steps replayed by the draft graphs"
+    assert drafted == planned  # the same drafts, chain by chain
+    assert got == expected
