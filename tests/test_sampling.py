@@ -202,3 +202,36 @@ def test_speculative_sampling_matches_ar_distribution(tiny_model_dir):
         merged = merged[:, merged.sum(0) > 0]
         pvalue = stats.chi2_contingency(merged).pvalue
         assert pvalue > 1e-3, (pos, pvalue)
+
+
+def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir):
+    """A pending draft's q is its own [V] row, not a view of its step's [N, V] probabilities
+    (which would keep every row of the step alive until the draft is verified)."""
+    engine = _engine(tiny_model_dir("llama"), "aspire")
+    worker = engine.executor.worker
+    vocab = engine.info["vocab_size"]
+    prompts = random_prompts(4, [20, 60], 256, seed=3)
+    largest, mixed = 0, 0
+    execute = worker.execute
+
+    def checking(plan):
+        nonlocal largest, mixed
+        out = execute(plan)
+        drafts = sum(row.kind.name == "DRAFT" for row in plan.rows)
+        mixed += drafts > 0 and any(row.kind.name == "VERIFY" for row in plan.rows)
+        for req in worker.requests.values():
+            for q in req.draft_probs:
+                largest = max(largest, q.untyped_storage().nbytes() // (4 * vocab))
+                assert q.shape == (vocab,)
+        return out
+
+    worker.execute = checking
+    step = 0
+    while prompts or engine.has_unfinished():
+        if prompts and step % 2 == 0:  # staggered: requests draft and verify out of step
+            engine.add_request(f"p{len(prompts)}", prompts.pop(), SamplingParams(
+                max_tokens=24, temperature=0.9, seed=len(prompts), ignore_eos=True))
+        engine.step()
+        step += 1
+    assert mixed > 0, "no step mixed drafts and verifications"
+    assert 1 <= largest <= 4  # a step's draft rows (4 requests), never all its logit rows

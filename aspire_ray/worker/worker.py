@@ -359,6 +359,7 @@ class Worker:
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
+        kept = self._keep_draft_probs(rows, probs, offsets) if probs is not None else {}
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -382,9 +383,21 @@ class Worker:
             else:
                 token = drawn[r]
                 if row.kind == RowKind.DRAFT:
-                    req.draft_probs.append(probs[lo])
+                    req.draft_probs.append(kept[r])
             results.append(RowResult(row.req_id, row.kind, [token]))
         return results
+
+    def _keep_draft_probs(self, rows: list[RowPlan], probs: torch.Tensor,
+                          offsets: list[int]) -> dict[int, torch.Tensor]:  # fmt: skip
+        """The q of every sampled draft row (row -> float32 [V]), copied out of the step's
+        [N, V] probabilities in one gather: a view would keep all N rows alive until the
+        draft is verified, up to d_max steps later (~1 GB per step at V = 152k, N = 2k)."""
+        which = [r for r, row in enumerate(rows) if row.kind == RowKind.DRAFT
+                 and not self.requests[row.req_id].sampling.greedy]  # fmt: skip
+        if not which:
+            return {}
+        kept = probs[sampler.i64([offsets[r] for r in which], probs.device)]  # [k, V], a copy
+        return dict(zip(which, kept.unbind(0), strict=True))
 
     def _verify_sampled(self, rows: list[RowPlan], probs: torch.Tensor,
                         offsets: list[int]) -> dict[int, tuple[int, list[int]]]:  # fmt: skip
