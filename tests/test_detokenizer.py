@@ -58,3 +58,28 @@ def test_incremental_on_byte_tokens_split_characters(detok):
 
 def test_no_tokenizer_gives_empty_text():
     assert Detokenizer(None).update(DecodeState(), [1, 2, 3]) == ""
+
+
+def test_invalid_utf8_output_keeps_the_work_per_step_bounded(detok):
+    # tokens that each decode to a lone continuation byte: the text never completes
+    lone = [i for i in range(400) if detok.decode([i]) == "\ufffd"][:1]
+    assert lone, "no single-byte token decodes to U+FFFD"
+    windows = []
+    decode = detok.decode
+
+    def recording(ids):
+        windows.append(len(ids))
+        return decode(ids)
+
+    detok.decode = recording
+    try:
+        state, ids = DecodeState(), []
+        for _ in range(200):
+            ids.append(lone[0])
+            text = detok.update(state, ids)
+        ids += detok.tokenizer.encode(" ok", add_special_tokens=False)
+        text = detok.update(state, ids)
+    finally:
+        del detok.decode
+    assert max(windows) <= 16  # not the whole output, re-decoded every step
+    assert text.endswith(" ok") and text.count("\ufffd") >= 190  # settled as it decodes

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A character is at most 4 bytes, so at most 4 tokens: a window still incomplete after this many
+# new tokens holds bytes that will never decode (the model emitted invalid UTF-8). Past it the
+# older tokens are settled as they decode (with U+FFFD), keeping each step's work bounded.
+MAX_PENDING = 8
+HOLD_BACK = 4
+
 
 @dataclass
 class DecodeState:
@@ -40,10 +46,17 @@ class Detokenizer:
             return state.text
         window = self.decode(token_ids[state.prefix :])
         if len(window) > len(state.prefix_text) and not window.endswith("\ufffd"):
-            state.text += window[len(state.prefix_text) :]
-            state.prefix, state.read = state.read, len(token_ids)
-            state.prefix_text = self.decode(token_ids[state.prefix : state.read])
+            self._settle(state, token_ids, len(token_ids), window)
+        elif len(token_ids) - state.read > MAX_PENDING:  # invalid UTF-8: settle all but the last
+            end = len(token_ids) - HOLD_BACK
+            self._settle(state, token_ids, end, self.decode(token_ids[state.prefix : end]))
         return state.text
+
+    def _settle(self, state: DecodeState, token_ids: list[int], end: int, window: str) -> None:
+        """Emit the text of ids[read:end] (window: the decoding of ids[prefix:end])."""
+        state.text += window[len(state.prefix_text) :]
+        state.prefix, state.read = state.read, end
+        state.prefix_text = self.decode(token_ids[state.prefix : state.read])
 
     @staticmethod
     def find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
