@@ -1,7 +1,8 @@
 """The engine on a CUDA GPU with the Triton kernels (skipped without a GPU).
 
-fp32: every mode's greedy output equals `ar` exactly. bf16: the token match rate vs `ar` is
-measured and printed (ties in bf16 logits can flip a greedy choice; see docs/benchmarks.md).
+fp32: every mode's greedy output equals `ar` exactly. bf16: at least 5 of the 6 requests equal
+`ar` in every mode (ties in bf16 logits can flip a greedy choice, docs/benchmarks.md §3.5; the
+rates are printed: 6 of 6 in every mode on the H200 so far).
 The CUDA graphs (the default: whole-step graphs for decode steps, piecewise ones otherwise) give
 the same fp32 tokens as the eager forward.
 """
@@ -64,6 +65,7 @@ def test_every_mode_vs_ar_on_gpu(dtype):
         if dtype == "float32":
             assert got == expected, mode
     print(f"\n{dtype} identical-request rate vs ar: {rates}")
+    assert all(rate >= 5 / 6 for rate in rates.values()), rates
 
 
 @pytest.mark.parametrize("mode", ["magicdec", "specattn", "aspire_fixed"])
