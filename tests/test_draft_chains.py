@@ -48,9 +48,17 @@ def test_chains_give_the_tokens_of_single_draft_steps(tiny_model_dir, mode):
     assert rounded == chained == single == expected
 
 
-def test_no_chains_when_sampling_or_per_request(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
+def test_sampled_chains_draw_as_single_draft_steps(tiny_model_dir, mode):
+    # seeded sampling: each draft drawn at its own (seed, position), its q kept for the
+    # verification; no rounds in one plan (their verification is greedy only)
     model_dir = tiny_model_dir("llama")
-    _, sampled, sampled_rounds = _run(model_dir, "magicdec", temperature=0.8, chain_verify=True)
-    _, per_request, per_request_rounds = _run(model_dir, "aspire", chain_verify=True)
-    assert set(sampled) == {1} and set(per_request) == {1}
-    assert sampled_rounds == per_request_rounds == 0
+    single, single_chains, _ = _run(model_dir, mode, temperature=0.8, draft_chains=False)
+    chained, chains, rounds = _run(model_dir, mode, temperature=0.8)
+    assert set(single_chains) == {1} and max(chains) == SPARSE["gamma"] and rounds == 0
+    assert chained == single
+
+
+def test_no_chains_per_request(tiny_model_dir):
+    _, per_request, per_request_rounds = _run(tiny_model_dir("llama"), "aspire")
+    assert set(per_request) == {1} and per_request_rounds == 0

@@ -1,7 +1,8 @@
 """Draft-step graphs (``worker/draft_graphs.py``): a chain's draft steps planned on the device
-give the drafts of the host-planned steps, token for token, and the engine's output stays that
-of plain decoding. CPU: Triton's interpreter, graphs emulated by re-running the captured step
-(EagerGraph), so the device planning, the fixed buffers and bucket padding are what is tested.
+give the drafts of the host-planned steps, token for token (seeded sampling: the same draws,
+q kept for the verification), and the engine's output stays that of the host-planned run.
+CPU: Triton's interpreter, graphs emulated by re-running the captured step (EagerGraph), so
+the device planning, the fixed buffers and bucket padding are what is tested.
 """
 
 from __future__ import annotations
@@ -46,17 +47,21 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
     w.execute = recording
     # 4-token pages: rows of 3 to 14 pages, so the budget (3 pages) cuts most of them
     prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
+    # sampled (seeded, top-p): the graph variant that draws (greedy ones run on the GPU:
+    # test_gpu_engine.py); the same draws as the host-planned steps
+    params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
     return run_staggered(engine, prompts, params, arrive_every=2), drafts, w
 
 
 @pytest.mark.slow
 def test_draft_graphs_draft_as_planned_steps(tiny_model_dir):
     # aspire_fixed: top-k pages chosen from scores, the refresh layer rescoring every step;
-    # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py)
+    # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py), sampling too
     model_dir = tiny_model_dir("llama")
     expected, planned, _ = _run(model_dir, "aspire_fixed", draft_graphs=False)
     got, drafted, w = _run(model_dir, "aspire_fixed", draft_graphs=True)
     assert w.draft_graphs.steps > 10, "too few draft steps replayed by the draft graphs"
     assert drafted == planned  # the same drafts, chain by chain
     assert got == expected
+    assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw

@@ -27,7 +27,7 @@ SMOLLM2_SHAPES = dict(model_type="llama", hidden_size=576, intermediate_size=153
                       tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
-def _run(mode, dtype, **kw):
+def _run(mode, dtype, temperature=0.0, **kw):
     # contexts up to 1200 tokens: with k_min=8 pages draft rows are really sparse, and rows
     # over 32 pages take the split-KV path
     cfg = build_engine_config("dummy", load_format="dummy", hf_overrides=SMOLLM2_SHAPES,
@@ -39,7 +39,9 @@ def _run(mode, dtype, **kw):
     assert worker.backend.name == "triton"
     assert (worker.graphs is not None) == cfg.cuda_graphs
     prompts = random_prompts(6, [1, 300, 1200], vocab=49152, seed=5)
-    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(max_tokens=32, temperature=temperature, top_p=0.9 if temperature
+                             else 1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
     out = run_staggered(engine, prompts, params, arrive_every=2)
     _run.last_worker = worker
     return out
@@ -75,3 +77,12 @@ def test_draft_graphs_on_gpu(mode):
     steps = _run.last_worker.draft_graphs.steps
     assert graphed == _run(mode, "float32", draft_graphs=False) == _run("ar", "float32")
     assert steps > 20, "draft steps did not replay the draft-step graphs"
+
+
+@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
+def test_sampled_draft_graphs_on_gpu(mode):
+    # seeded sampling (top-p 0.9): the graphs draw each draft as the host-planned steps do
+    graphed = _run(mode, "float32", temperature=0.8)
+    steps = _run.last_worker.draft_graphs.steps
+    assert graphed == _run(mode, "float32", temperature=0.8, draft_graphs=False)
+    assert steps > 20, "sampled draft steps did not replay the draft-step graphs"

@@ -95,14 +95,15 @@ class Scheduler:
         decided = self.policy.decide(decoding, caps)
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
         # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
-        # must not delay admissions) and every request is greedy (the worker draws on device)
+        # must not delay admissions); the worker draws its drafts on the device. Its round's
+        # verification in the same plan only for greedy batches (verified on the device too).
         chain, verify_after = 1, False
-        if decoding and len(decoding) == len(self.running) and not self.waiting \
-                and all(r.sampling.greedy for r in decoding):  # fmt: skip
+        if decoding and len(decoding) == len(self.running) and not self.waiting:
             chain, verify_after = self.policy.chain_length(decoding, caps, decided)
             # the round's verify rows must fit the step's token budget
-            verify_after &= sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
-                                for r in decoding) <= budget  # fmt: skip
+            verify_after &= all(r.sampling.greedy for r in decoding) and \
+                sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
+                    for r in decoding) <= budget  # fmt: skip
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue

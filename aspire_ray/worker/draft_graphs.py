@@ -13,7 +13,8 @@ the whole step, its planning included:
     l_r      refresh while drafting (scored policies): full lists, page scores into the score
              table, the middles re-chosen from them; otherwise sparse lists
     layers   after l_r: sparse lists
-    logits   argmax -> the next step's input token; position + 1
+    logits   the next step's input token (greedy rows: the argmax; sampled rows: a draw
+             from their q, kept for the verification); position + 1
 
 The host uploads the rows' numbers once per chain and replays the graph k times: no host
 planning between the draft steps, no eager layer between two graphs. The lists and work items
@@ -36,8 +37,9 @@ import torch
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import score_items
 from aspire_ray.kernels.host import upload
-from aspire_ray.plan import RowPlan
+from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
+from . import sampler
 from .draft_pages import PageScoreTable, choose_top_pages
 from .page_selector import PageSelector
 from .page_table import PageTable
@@ -46,7 +48,10 @@ from .step_graphs import StepGraphs
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
 
-_LIVE, _SCORED = 1, 2  # row flags: a real row; its request has page scores
+_LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores; samples
+# A graph variant: None (every row greedy) or the (need_k, need_p) of its sampling
+# (``sampler.probs_from_logits``); a bucket has all five.
+VARIANTS = [None, (False, False), (True, False), (False, True), (True, True)]
 
 
 class DraftStepGraphs:
@@ -60,8 +65,12 @@ class DraftStepGraphs:
         self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
         self.page_table, self.scores = page_table, scores
         self.buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
-        self.state: dict[int, torch.Tensor] = {}  # n -> int64 [4, n]: ids, pos, slot, flags
-        self.graphs: dict[int, object] = {}
+        # n -> int64 [6, n]: ids, pos, slot, flags, top_k, seed; float32 [2, n]: temperature,
+        # top_p (sampled rows)
+        self.state: dict[int, torch.Tensor] = {}
+        self.fstate: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple, object] = {}  # (n, variant) -> graph
+        self.probs: dict[tuple, torch.Tensor] = {}  # (n, variant) -> float32 [n, V]: each q
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
         self._key = None
         self._pool_pages = 0
@@ -77,19 +86,21 @@ class DraftStepGraphs:
                 tuple(self.page_table.table.shape),
                 None if scores is None else (scores.data_ptr(), tuple(scores.shape)))
 
-    def ensure(self, n: int, kv_caches: list[torch.Tensor]) -> None:
-        """Bucket n's graph, captured against the current tables (recaptured if they moved)."""
+    def ensure(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
+        """Bucket n's graph of this variant, captured against the current tables (recaptured
+        if they moved)."""
         key = self._tables_key(kv_caches)
         if key != self._key:
             self.graphs.clear()
             self.plans.clear()  # capacities follow the pool and the tables
             self._key, self._pool_pages = key, kv_caches[0].shape[0]
-        if n not in self.graphs:
-            self._capture(n, kv_caches)
+        if (n, variant) not in self.graphs:
+            self._capture(n, variant, kv_caches)
 
     def capture_all(self, kv_caches: list[torch.Tensor]) -> None:
         for n in reversed(self.buckets):
-            self.ensure(n, kv_caches)
+            for variant in VARIANTS:
+                self.ensure(n, variant, kv_caches)
 
     def _plan(self, n: int, full: bool) -> FixedPlan:
         """The attention plan of bucket n's sparse (full=False) or full lists."""
@@ -111,26 +122,27 @@ class DraftStepGraphs:
             return self._pool_pages
         return n * self.selector.budget(self.page_table.width)
 
-    def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
+    def _capture(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces
         with torch.inference_mode():
             p.inputs_for(n, kv_caches)
             if n not in self.state:
-                self.state[n] = torch.zeros(4, n, dtype=torch.int64, device=p.device)
-            state = self.state[n]
-            fn = lambda: self._step(n, state, kv_caches)  # noqa: E731
-            state.zero_()  # no live row: the warm-up run and the capture write nothing
+                self.state[n] = torch.zeros(6, n, dtype=torch.int64, device=p.device)
+                self.fstate[n] = torch.ones(2, n, dtype=torch.float32, device=p.device)
+            fn = lambda: self._step(n, variant, kv_caches)  # noqa: E731
+            self.state[n].zero_()  # no live row: the warm-up run and the capture write nothing
             p.run_captures([fn])
-            state.zero_()
+            self.state[n].zero_()
             (graph,), _ = p.run_captures([fn], capture=True)
-        self.graphs[n] = graph
+        self.graphs[n, variant] = graph
 
     # ---- the captured step ---------------------------------------------------------------------
-    def _step(self, n: int, state: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
+    def _step(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
+        state = self.state[n]
         ps, dev = kv_caches[0].shape[2], state.device
-        ids, pos, slot, flags = state
+        ids, pos, slot, flags, top_k, seed = state
         table = self.page_table.table  # int32 [slots, W]
-        live = flags >= _LIVE
+        live = (flags & _LIVE) > 0
         row_slot = torch.where(live, slot, 0)
         pages = torch.where(live, pos // ps + 1, 0)  # [n] pages after this step's token
         last = torch.where(live, pos + 1 - (pages - 1) * ps, 1).int()
@@ -153,7 +165,7 @@ class DraftStepGraphs:
             rows = torch.stack([row_slot, tail_start - head_end, n_top,
                                 sparse_indptr[:-1].long() + head_end]).int()  # fmt: skip
             choice = (template, rows, first, self.page_table.width - first)
-            sparse.kv_indices = self._choose(choice, flags >= _SCORED)
+            sparse.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
 
         layers, lr = self.model.layers, self.refresh_layer
         q, attn_out = self.pieces.q[:n], self.pieces.attn_out[:n]
@@ -173,9 +185,17 @@ class DraftStepGraphs:
             post = PagedKVMeta(sparse.qo_indptr, sparse.kv_indptr,
                                self._choose(choice, live) if choice else sparse.kv_indices,
                                sparse.kv_last_page_len, ps, fixed_plan=sparse.fixed_plan)
-            flags.copy_(live.long() * _SCORED)
+            flags.bitwise_or_(live.long() * _SCORED)
             hidden = self.step_graphs.layers(n, lr + 1, len(layers), post, kv_caches)
-        ids.copy_(self.model.compute_logits(hidden).argmax(dim=-1))
+        logits = self.model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1)
+        if variant is not None:  # as Worker._chain_tokens draws, at position context_len
+            temperature, top_p = self.fstate[n]
+            probs = sampler.probs_from_logits(logits, temperature, top_k, top_p, *variant)
+            drawn = sampler.sample_from_probs(probs, seed, pos + 1, Stream.DRAFT)
+            tokens = torch.where((flags & _SAMPLED) > 0, drawn, tokens)
+            self.probs[n, variant] = probs
+        ids.copy_(tokens)
         pos.add_(1)
 
     def _gather(self, n: int, counts: torch.Tensor, logical: torch.Tensor, row_slot: torch.Tensor,
@@ -223,29 +243,48 @@ class DraftStepGraphs:
         self.scores.scores.index_copy_(0, torch.where(live, slot, self.scores.scratch), rows)
 
     # ---- one chain -----------------------------------------------------------------------------
-    def run(self, rows: list[RowPlan], slots: list[int], scored: list[bool], steps: int,
-            kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
+            scored: list[bool], steps: int,
+            kv_caches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Replay ``steps`` draft steps of ``rows`` (draft rows of one query; their pages in
-        the page table; slots: their page-table slots; scored: whether their requests have page
-        scores) -> each step's draft tokens, int64 [R] on the device (no sync)."""
-        n = self.bucket(len(rows))
+        the page table; specs: their sampling; slots: their page-table slots; scored: whether
+        their requests have page scores) -> (each step's draft tokens, int64 [R]; each step's
+        q of the sampled rows, float32 [S, V] in row order), on the device, no sync."""
+        n, r = self.bucket(len(rows)), len(rows)
+        sampled = [not spec.greedy for spec in specs]
+        variant = sampling_variant(specs)
         if self.scores is not None:  # before the capture check: a resize means a recapture
             self.scores.ensure_slots(self.page_table.slots)
             self.scores.ensure_width(self.page_table.width)
         self.page_table.flush()
-        self.ensure(n, kv_caches)
-        state = np.zeros((4, n), dtype=np.int64)
-        state[0, : len(rows)] = [row.token_ids[0] for row in rows]
-        state[1, : len(rows)] = [row.start_pos for row in rows]
-        state[2, : len(rows)] = slots
-        state[3, : len(rows)] = np.where(scored, _SCORED, _LIVE)
+        self.ensure(n, variant, kv_caches)
+        state = np.zeros((6, n), dtype=np.int64)
+        state[0, :r] = [row.token_ids[0] for row in rows]
+        state[1, :r] = [row.start_pos for row in rows]
+        state[2, :r] = slots
+        state[3, :r] = _LIVE | np.where(scored, _SCORED, 0) | np.where(sampled, _SAMPLED, 0)
+        state[4, :r] = [spec.top_k for spec in specs]
+        state[5, :r] = [spec.seed for spec in specs]
         upload(state, self.pieces.device, self.state[n])
-        drafts = []
+        if variant is not None:
+            fstate = np.ones((2, n), dtype=np.float32)
+            fstate[0, :r] = [1.0 if spec.greedy else spec.temperature for spec in specs]
+            fstate[1, :r] = [spec.top_p for spec in specs]
+            upload(fstate, self.pieces.device, self.fstate[n])
+            at = torch.tensor(np.nonzero(sampled)[0], device=self.pieces.device)
+        drafts, qs = [], []
         for _ in range(steps):
-            self.graphs[n].replay()
-            drafts.append(self.state[n][0, : len(rows)].clone())
+            self.graphs[n, variant].replay()
+            drafts.append(self.state[n][0, :r].clone())
+            if variant is not None:
+                qs.append(self.probs[n, variant][at])  # a copy: the graph rewrites its buffer
         self.steps += steps
-        return drafts
+        return drafts, qs
+
+
+def sampling_variant(specs: list[SamplingSpec]):
+    """The graph variant of rows with these sampling settings (``VARIANTS``)."""
+    return None if all(spec.greedy for spec in specs) else sampler.need_flags(specs)
 
 
 def table_widths(max_model_len: int, page_size: int) -> int:

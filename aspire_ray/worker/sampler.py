@@ -55,16 +55,25 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
     return torch.argmax(probs.double() / expo, dim=-1)
 
 
+def need_flags(specs) -> tuple[bool, bool]:
+    """(need_k, need_p) of ``probs_from_logits`` for rows of these SamplingSpecs: whether any
+    has top_k > 0, top_p < 1 (known on the host: no device sync)."""
+    return any(s.top_k > 0 for s in specs), any(s.top_p < 1.0 for s in specs)
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+                      top_p: torch.Tensor, need_k: bool | None = None,
+                      need_p: bool | None = None) -> torch.Tensor:  # fmt: skip
     """logits [N, V] float32; temperature/top_p [N] float32; top_k [N] int64 (0: off).
 
     Returns the float32 distribution the request samples from: softmax(logits / T) restricted
     to the top-k tokens and to the smallest set of top tokens whose mass reaches top_p.
+    need_k / need_p: whether any row has top_k > 0 / top_p < 1, if the caller knows
+    (``need_flags``; None: read from the tensors, a device sync each; CUDA graphs pass them).
     """
     logits = logits / temperature[:, None]
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1.0).any())
+    need_k = bool((top_k > 0).any()) if need_k is None else need_k
+    need_p = bool((top_p < 1.0).any()) if need_p is None else need_p
     if need_k or need_p:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         vocab = logits.shape[1]

@@ -233,18 +233,18 @@ class Worker:
 
     def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int,
                        t0: float) -> StepOutput:  # fmt: skip
-        """A draft chain: ``steps`` greedy draft steps of the same rows back to back, then, if
-        the rows say so (``verify_after``), their verification. Step s drafts at position
-        start_pos + s from step s - 1's drafts, which stay on the device, as do the verify
-        rows' draft inputs: the host plans each step while the GPU runs the one before, and
-        syncs once, at the end."""
+        """A draft chain: ``steps`` draft steps of the same rows back to back, then, if the
+        rows say so (``verify_after``, greedy only), their verification. Step s drafts at
+        position start_pos + s from step s - 1's drafts, which stay on the device, as do the
+        verify rows' draft inputs; sampled rows draw on the device too and keep each draft's
+        q. The host syncs once, at the end."""
         verify = rows[0].verify_after is not None
         for row in rows:
             if row.kind != RowKind.DRAFT or row.num_steps != steps \
                     or (row.verify_after is not None) != verify \
-                    or not self.requests[row.req_id].sampling.greedy:  # fmt: skip
-                raise ValueError(f"a draft chain holds greedy draft rows of {steps} steps only "
-                                 f"(all verifying after or none), got {row.kind.name} row "
+                    or (verify and not self.requests[row.req_id].sampling.greedy):  # fmt: skip
+                raise ValueError(f"a draft chain holds draft rows of {steps} steps only (all "
+                                 f"verifying after, greedy, or none), got {row.kind.name} row "
                                  f"{row.req_id!r} of {row.num_steps}")
         drafts, refresh = self._draft_graph_chain(rows, steps), 0.0
         if drafts is None:  # one planned forward per step
@@ -253,7 +253,7 @@ class Worker:
             for s in range(steps):
                 logits, batch, _ = self._forward(
                     rows, None if tokens is None else (first, tokens), shift=s)
-                tokens = logits.argmax(dim=-1)  # [R]: one logit row per draft row, in row order
+                tokens = self._chain_tokens(rows, logits, s)  # [R], in row order
                 drafts.append(tokens)
                 refresh += batch.attention.refresh_seconds
         out = torch.stack(drafts, dim=1).flatten()  # [R * steps], row-major
@@ -282,6 +282,27 @@ class Worker:
                    "refresh": refresh}
         return StepOutput(step_id, results, timings)
 
+    def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
+        """Step ``shift`` of a chain: each draft row's token (logits [R, V], one per row) on
+        the device: greedy rows' argmax, sampled rows' draw (as ``_draw_single`` draws it, at
+        position context_len + shift), whose q joins the request's pending drafts."""
+        tokens = logits.argmax(dim=-1)
+        offsets = list(range(len(rows) + 1))
+        probs = self._probs(rows, logits, offsets)
+        if probs is None:
+            return tokens
+        which = [r for r, row in enumerate(rows) if not self.requests[row.req_id].sampling.greedy]
+        dev = probs.device
+        at = sampler.i64(which, dev)
+        q = probs[at]  # [k, V]: a copy, kept until verification
+        seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
+        positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
+        tokens = tokens.index_copy(0, at, sampler.sample_from_probs(q, seeds, positions,
+                                                                    Stream.DRAFT))  # fmt: skip
+        for r, q_row in zip(which, q.unbind(0), strict=True):
+            self.requests[rows[r].req_id].draft_probs.append(q_row)
+        return tokens
+
     def _draft_graph_chain(self, rows: list[RowPlan], steps: int) -> list[torch.Tensor] | None:
         """The chain's draft steps replayed by the draft-step graphs -> each step's drafts
         (int64 [R] on the device), or None where they do not run (no graphs; too many rows)."""
@@ -295,11 +316,15 @@ class Worker:
             if pages > self.page_table.sizes[slot]:
                 raise RuntimeError(f"request {row.req_id}: {self.page_table.sizes[slot]} pages "
                                    f"cannot hold {row.start_pos + steps} tokens")
-        drafts = graphs.run(rows, slots, [req.scored_pages > 0 for req in reqs], steps,
-                            self.kv_caches)  # fmt: skip
+        drafts, qs = graphs.run(rows, [req.sampling for req in reqs], slots,
+                                [req.scored_pages > 0 for req in reqs], steps, self.kv_caches)
         if graphs.refresh:  # every step scored every row
             for req, pages in zip(reqs, final, strict=True):
                 req.scored_pages = pages
+        sampled = [req for req in reqs if not req.sampling.greedy]
+        for q in qs:  # each step's q of the sampled rows, in row order
+            for req, q_row in zip(sampled, q.unbind(0), strict=True):
+                req.draft_probs.append(q_row)
         return drafts
 
     def _drop(self, rid: str) -> None:
@@ -455,7 +480,7 @@ class Worker:
                             dtype=torch.float32, device=dev)
         top_k = sampler.i64([s.top_k for s in specs], dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
-        return sampler.probs_from_logits(logits, temp, top_k, top_p)
+        return sampler.probs_from_logits(logits, temp, top_k, top_p, *sampler.need_flags(specs))
 
 
 def _memory_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float | None:
