@@ -271,7 +271,7 @@ class DraftStepGraphs:
             fstate[0, :r] = [1.0 if spec.greedy else spec.temperature for spec in specs]
             fstate[1, :r] = [spec.top_p for spec in specs]
             upload(fstate, self.pieces.device, self.fstate[n])
-            at = torch.tensor(np.nonzero(sampled)[0], device=self.pieces.device)
+            at = upload(np.nonzero(sampled)[0], self.pieces.device)
         drafts, qs = [], []
         for _ in range(steps):
             self.graphs[n, variant].replay()

@@ -291,14 +291,12 @@ class Worker:
         probs = self._probs(rows, logits, offsets)
         if probs is None:
             return tokens
-        which = [r for r, row in enumerate(rows) if not self.requests[row.req_id].sampling.greedy]
+        which, q = self._sampled_draft_probs(rows, probs, offsets)
         dev = probs.device
-        at = sampler.i64(which, dev)
-        q = probs[at]  # [k, V]: a copy, kept until verification
         seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
         positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
-        tokens = tokens.index_copy(0, at, sampler.sample_from_probs(q, seeds, positions,
-                                                                    Stream.DRAFT))  # fmt: skip
+        tokens = tokens.index_copy(0, sampler.i64(which, dev), sampler.sample_from_probs(
+            q, seeds, positions, Stream.DRAFT))  # fmt: skip
         for r, q_row in zip(which, q.unbind(0), strict=True):
             self.requests[rows[r].req_id].draft_probs.append(q_row)
         return tokens
@@ -384,7 +382,10 @@ class Worker:
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
-        kept = self._keep_draft_probs(rows, probs, offsets) if probs is not None else {}
+        kept = {}  # sampled draft row -> its q [V]
+        if probs is not None:
+            which, q = self._sampled_draft_probs(rows, probs, offsets)
+            kept = dict(zip(which, q.unbind(0), strict=True)) if which else {}
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -412,17 +413,16 @@ class Worker:
             results.append(RowResult(row.req_id, row.kind, [token]))
         return results
 
-    def _keep_draft_probs(self, rows: list[RowPlan], probs: torch.Tensor,
-                          offsets: list[int]) -> dict[int, torch.Tensor]:  # fmt: skip
-        """The q of every sampled draft row (row -> float32 [V]), copied out of the step's
+    def _sampled_draft_probs(self, rows: list[RowPlan], probs: torch.Tensor,
+                             offsets: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The sampled draft rows and their q (float32 [k, V]), copied out of the step's
         [N, V] probabilities in one gather: a view would keep all N rows alive until the
         draft is verified, up to d_max steps later (~1 GB per step at V = 152k, N = 2k)."""
         which = [r for r, row in enumerate(rows) if row.kind == RowKind.DRAFT
                  and not self.requests[row.req_id].sampling.greedy]  # fmt: skip
         if not which:
-            return {}
-        kept = probs[sampler.i64([offsets[r] for r in which], probs.device)]  # [k, V], a copy
-        return dict(zip(which, kept.unbind(0), strict=True))
+            return which, None
+        return which, probs[sampler.i64([offsets[r] for r in which], probs.device)]
 
     def _verify_sampled(self, rows: list[RowPlan], probs: torch.Tensor,
                         offsets: list[int]) -> dict[int, tuple[int, list[int]]]:  # fmt: skip
