@@ -80,6 +80,12 @@ class SpecConfig:
     # GPU runs the chain). On an H200 with the draft-step graphs it made magicdec 10-28% and
     # aspire_fixed 7-20% faster (docs/benchmarks.md §8.6).
     chain_verify: bool = True
+    # ar: once every request decodes (nothing in prefill, nobody waiting), this many decode
+    # steps run back to back as one plan (a decode chain, as vLLM's multi-step scheduling):
+    # each step's token feeds the next on the device, stop conditions apply when the chain
+    # returns (tokens after a stop are dropped). One host round trip per chain instead of per
+    # step; clients receive up to this many tokens at once. 1: one plan per step.
+    ar_chain: int = 8
 
     def __post_init__(self) -> None:
         _require(self.mode in SPEC_MODES,
@@ -99,6 +105,7 @@ class SpecConfig:
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
+        _require(1 <= self.ar_chain <= 64, f"ar_chain must be in [1, 64], got {self.ar_chain}")
         _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
 
     def sparse_budget(self, num_pages: int) -> int:

@@ -50,7 +50,9 @@ class RowPlan:
     sample: bool = True  # PREFILL: sample a token after the last input token
     num_drafts: int = 0  # VERIFY: d, so token_ids = [x_n, d_1..d_d]
     # DRAFT: draft this many tokens back to back (a draft chain): the worker feeds each draft
-    # into the next draft step on the device, with no host round trip between them
+    # into the next draft step on the device, with no host round trip between them. VERIFY
+    # without drafts (ar): this many decode steps back to back (a decode chain), each step's
+    # token the next one's input; the row's result holds every step's token.
     num_steps: int = 1
     # DRAFT (a chain that ends its round): verify in the same plan right after the chain; the
     # verify row's inputs are these known tokens [x_n, d_1..d_d], then the chain's drafts

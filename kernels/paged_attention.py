@@ -108,6 +108,11 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     head_off = kvh * stride_kh
+    # Wide tiles (verify rows, prefill chunks) below every query's causal limit (the tile's
+    # first query sees up to kv_len - n_q + q_first) skip the [BLOCK_M, BLOCK_N] mask's
+    # compares and selects, ~6% of a 6-token verify row's time; decode tiles always mask (the
+    # branch slows their loop by ~12%; H200, scripts/bench_verify_rows.py).
+    visible = tl.minimum(hi, kv_len - n_q + q_first + 1)
     for start in range(kv_lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
@@ -117,7 +122,10 @@ def _attn_kernel(
         v_ptrs = kv_ptr + stride_kkv + k_off[:, None] + d[None, :]
         v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
         s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
-        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if BLOCK_M < 64:
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        elif start + BLOCK_N > visible:
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at 0
         alpha = tl.exp2(m_i - m_safe)

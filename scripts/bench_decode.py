@@ -50,7 +50,7 @@ DUMMY_SHAPES = {
 
 VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one run
     "": {},
-    "nochain": {"draft_chains": False},  # one plan per draft step
+    "nochain": {"draft_chains": False, "ar_chain": 1},  # one plan per draft (ar: decode) step
     "round": {"chain_verify": True},  # chains that carry their round's verification
     "noround": {"chain_verify": False},  # the verification as a plan of its own
     "hostplan": {"draft_graphs": False},  # chain steps planned on the host, not in their graph

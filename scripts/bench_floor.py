@@ -173,10 +173,11 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
 
 def new_tokens(args) -> int:
     """Output tokens per request that outlast the run: every engine step (a round of draft
-    chain + verification commits up to gamma + 1 tokens in one plan) plus a verification."""
+    chain + verification commits up to gamma + 1 tokens in one plan, an ar decode chain
+    ar_chain tokens) plus a verification."""
     plans = args.warmup + args.steps + args.profile_steps + args.cprofile
     spec = SpecConfig()
-    return plans * (spec.gamma + 1) + spec.d_max + 2
+    return plans * max(spec.gamma + 1, spec.ar_chain) + spec.d_max + 2
 
 
 def chain_steps(rows) -> int:

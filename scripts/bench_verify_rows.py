@@ -25,6 +25,7 @@ VARIANTS = {  # name -> AttentionConfig overrides tried beside the default
     "default": {},
     "warps8": {"num_warps": 8},
     "stages2": {"num_stages": 2},
+    "stages4": {"num_stages": 4},
     "block_n64": {"block_n": 64},
     "block_m32max": {"block_m_max": 32},
 }

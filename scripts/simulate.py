@@ -94,6 +94,8 @@ class TraceExecutor(Executor):
     def _verify(self, i: int, row: RowPlan) -> RowResult:
         # the verify row's input x_n is at start_pos: its first draft predicts start_pos + 1
         o = row.start_pos + 1 - self.prompt_lens[i]
+        if row.num_steps > 1:  # an ar decode chain: the target's next num_steps tokens
+            return RowResult(row.req_id, row.kind, self.tokens[i][o : o + row.num_steps])
         target = self.tokens[i][o : o + row.num_drafts + 1]
         drafts = row.token_ids[1:]
         a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))

@@ -1,7 +1,8 @@
 """Draft chains (SpecConfig.draft_chains): a synchronized batch runs its remaining draft steps
 back to back in one plan, drafts fed forward on the device, and, when that ends the round, its
 verification in the same plan. Same tokens as one plan per draft step, and as plain
-autoregressive decoding (fp32, CPU)."""
+autoregressive decoding (fp32, CPU). Decode chains (SpecConfig.ar_chain): ``ar`` runs several
+decode steps per plan, with the tokens of one plan per step."""
 
 from __future__ import annotations
 
@@ -62,3 +63,16 @@ def test_sampled_chains_draw_as_single_draft_steps(tiny_model_dir, mode):
 def test_no_chains_per_request(tiny_model_dir):
     _, per_request, per_request_rounds = _run(tiny_model_dir("llama"), "aspire")
     assert set(per_request) == {1} and per_request_rounds == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_chains_give_the_tokens_of_single_steps(tiny_model_dir, temperature):
+    # ar: several decode steps per plan, each step's token fed forward on the device (sampled
+    # rows drawn at their own (seed, position) from the target's stream); stop conditions
+    # applied after the chain: max_tokens 24 is not a multiple of the chain of 5
+    model_dir = tiny_model_dir("llama")
+    single, single_chains, _ = _run(model_dir, "ar", temperature=temperature, ar_chain=1)
+    chained, chains, rounds = _run(model_dir, "ar", temperature=temperature, ar_chain=5)
+    assert set(single_chains) == {1} and max(chains) == 5 and rounds == 0
+    assert [len(tokens) for tokens in chained.values()] == [24] * 4
+    assert chained == single

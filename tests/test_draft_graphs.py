@@ -33,7 +33,7 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
     # interpreter runs every program in Python: few, to keep this test short)
     w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=8))
     w.graphs = PiecewiseGraphs(w.model, w.backend, 16, w.device, EagerGraph)
-    split = w.refresh_layer if w.selector.uses_scores else None
+    split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
     w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
     w.draft_graphs = w._draft_graphs() if draft_graphs else None
     drafts = []
@@ -41,7 +41,8 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
 
     def recording(plan):
         out = execute(plan)
-        drafts.extend((r.req_id, tuple(r.tokens)) for r in out.results if r.kind == RowKind.DRAFT)
+        drafts.extend((r.req_id, tuple(r.tokens)) for r in out.results
+                      if r.kind == RowKind.DRAFT or len(r.tokens) > 1)  # drafts; decode chains
         return out
 
     w.execute = recording
@@ -63,5 +64,17 @@ def test_draft_graphs_draft_as_planned_steps(tiny_model_dir):
     got, drafted, w = _run(model_dir, "aspire_fixed", draft_graphs=True)
     assert w.draft_graphs.steps > 10, "too few draft steps replayed by the draft graphs"
     assert drafted == planned  # the same drafts, chain by chain
+    assert got == expected
+    assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw
+
+
+@pytest.mark.slow
+def test_decode_chain_graphs_decode_as_planned_steps(tiny_model_dir):
+    # ar's decode chains on the same graphs (every page listed, the target's random stream)
+    model_dir = tiny_model_dir("llama")
+    expected, planned, _ = _run(model_dir, "ar", draft_graphs=False)
+    got, decoded, w = _run(model_dir, "ar", draft_graphs=True)
+    assert w.draft_graphs.steps > 10, "too few decode steps replayed by the chain graphs"
+    assert decoded == planned and len(planned) > 3  # the same tokens, chain by chain
     assert got == expected
     assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw

@@ -51,7 +51,9 @@ def _run(mode, dtype, temperature=0.0, **kw):
 def test_cuda_graphs_equal_eager(mode):
     # piecewise graphs for steps with prefill rows, whole-step graphs for decode steps
     graphed = _run(mode, "float32")
-    whole_steps = _run.last_worker.step_graphs.steps
+    worker = _run.last_worker
+    # ar's decode chains replay the chain-step graphs
+    whole_steps = worker.step_graphs.steps + (worker.draft_graphs.steps if mode == "ar" else 0)
     assert graphed == _run(mode, "float32", cuda_graphs=False)
     assert whole_steps > 20, "decode steps did not replay the whole-step graphs"
 
@@ -70,19 +72,24 @@ def test_every_mode_vs_ar_on_gpu(dtype):
     assert all(rate >= 5 / 6 for rate in rates.values()), rates
 
 
-@pytest.mark.parametrize("mode", ["magicdec", "specattn", "aspire_fixed"])
+@pytest.mark.parametrize("mode", ["ar", "magicdec", "specattn", "aspire_fixed"])
 def test_draft_graphs_on_gpu(mode):
     # chain steps as self-planning graphs (the default) vs planned on the host: same output
+    # (ar: decode chains; also the same as one plan per decode step)
     graphed = _run(mode, "float32")
     steps = _run.last_worker.draft_graphs.steps
-    assert graphed == _run(mode, "float32", draft_graphs=False) == _run("ar", "float32")
+    assert graphed == _run(mode, "float32", draft_graphs=False) == _run("ar", "float32",
+                                                                        ar_chain=1)
     assert steps > 20, "draft steps did not replay the draft-step graphs"
 
 
-@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
+@pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed"])
 def test_sampled_draft_graphs_on_gpu(mode):
     # seeded sampling (top-p 0.9): the graphs draw each draft as the host-planned steps do
+    # (ar: each token as one plan per decode step draws it)
     graphed = _run(mode, "float32", temperature=0.8)
     steps = _run.last_worker.draft_graphs.steps
     assert graphed == _run(mode, "float32", temperature=0.8, draft_graphs=False)
+    if mode == "ar":
+        assert graphed == _run(mode, "float32", temperature=0.8, ar_chain=1)
     assert steps > 20, "sampled draft steps did not replay the draft-step graphs"

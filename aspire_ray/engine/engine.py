@@ -167,7 +167,8 @@ class LLMEngine:
                 req.num_computed += row.num_tokens
             else:
                 self._account_verify(req, row, res)
-                req.num_computed = row.start_pos + 1 + res.num_accepted
+                # a decode chain (ar) computed the KV of all its steps' inputs
+                req.num_computed = row.start_pos + row.num_steps + res.num_accepted
                 req.drafts = []
             if res.tokens:
                 if req.metrics.first_token_time is None:
@@ -181,7 +182,7 @@ class LLMEngine:
     def _account_verify(self, req: Request, row: RowPlan, res: RowResult) -> None:
         d, a = row.num_drafts, res.num_accepted
         m = req.metrics
-        m.decode_steps += 1
+        m.decode_steps += row.num_steps
         self.policy.on_verified(req, d, a)
         if d == 0:
             return

@@ -99,7 +99,10 @@ class Scheduler:
         # verification in the same plan only for greedy batches (verified on the device too).
         chain, verify_after = 1, False
         if decoding and len(decoding) == len(self.running) and not self.waiting:
-            chain, verify_after = self.policy.chain_length(decoding, caps, decided)
+            if not self.policy.cfg.speculative:
+                chain = self._decode_chain(decoding)
+            else:
+                chain, verify_after = self.policy.chain_length(decoding, caps, decided)
             # the round's verify rows must fit the step's token budget
             verify_after &= all(r.sampling.greedy for r in decoding) and \
                 sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
@@ -137,6 +140,12 @@ class Scheduler:
         self._dropped = []
         return plan
 
+    def _decode_chain(self, reqs: list[Request]) -> int:
+        """Decode steps of an ``ar`` batch's next plan (``SpecConfig.ar_chain``): no more than
+        any request still wants, and within every request's room in the context."""
+        k = min(self.policy.cfg.ar_chain, max(r.remaining_tokens for r in reqs))
+        return max(1, min(k, min(self.max_model_len - r.num_tokens + 1 for r in reqs)))
+
     def _row_for(self, req: Request, action: Action | None, budget: int, chain: int = 1,
                  verify_after: bool = False) -> RowPlan | None:  # fmt: skip
         if req.in_prefill or action is None:
@@ -159,7 +168,7 @@ class Scheduler:
         if len(tokens) > budget:
             return None
         return RowPlan(req.req_id, RowKind.VERIFY, tokens, last, 0, [],
-                       num_drafts=len(req.drafts))
+                       num_drafts=len(req.drafts), num_steps=1 if req.drafts else chain)
 
     def _ensure_pages(self, req: Request, context_len: int) -> bool:
         need = self.blocks.pages_for(context_len) - len(req.pages)

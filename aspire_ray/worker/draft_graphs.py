@@ -21,6 +21,10 @@ planning between the draft steps, no eager layer between two graphs. The lists a
 are those ``StepBatch`` and the host plans give (same order, same split), so the drafts are the
 same (``tests/test_draft_graphs.py``).
 
+The decode chains of ``ar`` run on the same graphs with the ``FullPages`` policy (every row
+lists all its pages, no refresh) and the target's random stream: their steps are plain decode
+steps whose tokens the engine commits.
+
 Padding rows of a bucket hold no page: no KV written, no work item, their page scores go to the
 score table's scratch row. The graphs read the page and score tables at fixed addresses: a
 resized table (more slots or pages than the worker sized them for) means a recapture.
@@ -57,9 +61,11 @@ VARIANTS = [None, (False, False), (True, False), (False, True), (True, True)]
 class DraftStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
-                 max_rows: int) -> None:  # fmt: skip
+                 max_rows: int, stream: Stream = Stream.DRAFT) -> None:  # fmt: skip
         """refresh: the refresh layer attends to full lists and rescores (refresh while
-        drafting with a scored policy); max_rows: the most rows of a chain."""
+        drafting with a scored policy); max_rows: the most rows of a chain; stream: the random
+        stream sampled rows draw from (drafts; the target's for ar's decode chains)."""
+        self.stream = stream
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
@@ -120,7 +126,7 @@ class DraftStepGraphs:
         page), sparse lists at most the budget of the widest request each."""
         if full:
             return self._pool_pages
-        return n * self.selector.budget(self.page_table.width)
+        return min(n * self.selector.budget(self.page_table.width), self._pool_pages)
 
     def _capture(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces
@@ -192,7 +198,7 @@ class DraftStepGraphs:
         if variant is not None:  # as Worker._chain_tokens draws, at position context_len
             temperature, top_p = self.fstate[n]
             probs = sampler.probs_from_logits(logits, temperature, top_k, top_p, *variant)
-            drawn = sampler.sample_from_probs(probs, seed, pos + 1, Stream.DRAFT)
+            drawn = sampler.sample_from_probs(probs, seed, pos + 1, self.stream)
             tokens = torch.where((flags & _SAMPLED) > 0, drawn, tokens)
             self.probs[n, variant] = probs
         ids.copy_(tokens)
@@ -244,11 +250,11 @@ class DraftStepGraphs:
 
     # ---- one chain -----------------------------------------------------------------------------
     def run(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
-            scored: list[bool], steps: int,
-            kv_caches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Replay ``steps`` draft steps of ``rows`` (draft rows of one query; their pages in
-        the page table; specs: their sampling; slots: their page-table slots; scored: whether
-        their requests have page scores) -> (each step's draft tokens, int64 [R]; each step's
+            scored: list[bool], steps: int, kv_caches: list[torch.Tensor],
+            keep_q: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Replay ``steps`` steps of ``rows`` (rows of one query; their pages in the page
+        table; specs: their sampling; slots: their page-table slots; scored: whether their
+        requests have page scores) -> (each step's tokens, int64 [R]; with keep_q, each step's
         q of the sampled rows, float32 [S, V] in row order), on the device, no sync."""
         n, r = self.bucket(len(rows)), len(rows)
         sampled = [not spec.greedy for spec in specs]
@@ -266,6 +272,7 @@ class DraftStepGraphs:
         state[4, :r] = [spec.top_k for spec in specs]
         state[5, :r] = [spec.seed for spec in specs]
         upload(state, self.pieces.device, self.state[n])
+        keep_q &= variant is not None
         if variant is not None:
             fstate = np.ones((2, n), dtype=np.float32)
             fstate[0, :r] = [1.0 if spec.greedy else spec.temperature for spec in specs]
@@ -276,7 +283,7 @@ class DraftStepGraphs:
         for _ in range(steps):
             self.graphs[n, variant].replay()
             drafts.append(self.state[n][0, :r].clone())
-            if variant is not None:
+            if keep_q:
                 qs.append(self.probs[n, variant][at])  # a copy: the graph rewrites its buffer
         self.steps += steps
         return drafts, qs

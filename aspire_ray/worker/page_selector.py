@@ -105,6 +105,21 @@ class TopKPages(PageSelector):
         return head_end, n_top, xp.where(full, num_pages, num_pages - recent)
 
 
+class FullPages(PageSelector):
+    """Every page: plain decoding's attention, for the decode chains of ``ar`` (the draft-step
+    graphs run them with this policy)."""
+
+    def budget(self, num_pages: int) -> int:
+        return num_pages
+
+    def budgets(self, num_pages):
+        return num_pages
+
+    def layout(self, num_pages):
+        xp = _namespace(num_pages)
+        return num_pages, xp.zeros_like(num_pages), num_pages
+
+
 def _namespace(x):
     """numpy or torch: both spell where / zeros_like alike."""
     return torch if isinstance(x, torch.Tensor) else np

@@ -30,7 +30,7 @@ from .cuda_graphs import PiecewiseGraphs
 from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
-from .page_selector import make_selector
+from .page_selector import FullPages, make_selector
 from .page_table import PageTable
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
@@ -112,14 +112,21 @@ class Worker:
                           max_tokens, self.backend.config)  # fmt: skip
 
     def _draft_graphs(self) -> DraftStepGraphs | None:
-        """Self-planning graphs of draft-chain steps (synchronized modes with chains)."""
+        """Self-planning graphs of chain steps: draft chains (synchronized modes with chains)
+        or, in ``ar``, decode chains (every page, the target's random stream)."""
         spec = self.cfg.spec
-        if self.step_graphs is None or not (self.cfg.draft_graphs and spec.synchronized
-                                            and spec.draft_chains):  # fmt: skip
+        if self.step_graphs is None or not self.cfg.draft_graphs:
+            return None
+        rows = self.cfg.scheduler.max_num_seqs
+        if not spec.speculative:
+            return None if spec.ar_chain == 1 else DraftStepGraphs(
+                self.step_graphs, FullPages(spec), self.refresh_layer, False, self.page_table,
+                None, rows, stream=Stream.TARGET)  # fmt: skip
+        if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
-                               self.page_table, self.scores, self.cfg.scheduler.max_num_seqs)
+                               self.page_table, self.scores, rows)
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -237,14 +244,20 @@ class Worker:
         rows say so (``verify_after``, greedy only), their verification. Step s drafts at
         position start_pos + s from step s - 1's drafts, which stay on the device, as do the
         verify rows' draft inputs; sampled rows draw on the device too and keep each draft's
-        q. The host syncs once, at the end."""
+        q. Or a decode chain (``ar``: verify rows without drafts): ``steps`` decode steps, each
+        step's tokens the next one's inputs. The host syncs once, at the end."""
+        decode = rows[0].kind == RowKind.VERIFY
         verify = rows[0].verify_after is not None
         for row in rows:
-            if row.kind != RowKind.DRAFT or row.num_steps != steps \
-                    or (row.verify_after is not None) != verify \
-                    or (verify and not self.requests[row.req_id].sampling.greedy):  # fmt: skip
-                raise ValueError(f"a draft chain holds draft rows of {steps} steps only (all "
-                                 f"verifying after, greedy, or none), got {row.kind.name} row "
+            if decode:
+                ok = row.kind == RowKind.VERIFY and row.num_drafts == 0
+            else:
+                ok = row.kind == RowKind.DRAFT and (row.verify_after is not None) == verify \
+                    and (not verify or self.requests[row.req_id].sampling.greedy)
+            if not ok or row.num_steps != steps:
+                raise ValueError(f"a chain holds draft rows of {steps} steps only (all "
+                                 f"verifying after, greedy, or none) or verify rows without "
+                                 f"drafts of {steps} steps, got {row.kind.name} row "
                                  f"{row.req_id!r} of {row.num_steps}")
         drafts, refresh = self._draft_graph_chain(rows, steps), 0.0
         if drafts is None:  # one planned forward per step
@@ -271,7 +284,7 @@ class Worker:
         results, n = [], len(rows) * steps
         for r, row in enumerate(rows):
             chain = flat[r * steps : (r + 1) * steps]
-            res = RowResult(row.req_id, RowKind.DRAFT, chain)
+            res = RowResult(row.req_id, row.kind, chain)
             if verify:
                 lo, hi = batch.logit_offsets[r], batch.logit_offsets[r + 1]
                 accepted, committed = rejection_sampler.verify_greedy(
@@ -283,21 +296,25 @@ class Worker:
         return StepOutput(step_id, results, timings)
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
-        """Step ``shift`` of a chain: each draft row's token (logits [R, V], one per row) on
-        the device: greedy rows' argmax, sampled rows' draw (as ``_draw_single`` draws it, at
-        position context_len + shift), whose q joins the request's pending drafts."""
+        """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
+        device: greedy rows' argmax, sampled rows' draw at position context_len + shift (a
+        draft row's as ``_draw_single`` draws it, its q joining the request's pending drafts;
+        a decode row's as the verification of no draft draws it)."""
         tokens = logits.argmax(dim=-1)
         offsets = list(range(len(rows) + 1))
         probs = self._probs(rows, logits, offsets)
         if probs is None:
             return tokens
-        which, q = self._sampled_draft_probs(rows, probs, offsets)
+        drafting = rows[0].kind == RowKind.DRAFT
+        which = [r for r, row in enumerate(rows)
+                 if not self.requests[row.req_id].sampling.greedy]  # fmt: skip
         dev = probs.device
+        q = probs[sampler.i64(which, dev)]  # a copy: see _sampled_draft_probs
         seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
         positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
         tokens = tokens.index_copy(0, sampler.i64(which, dev), sampler.sample_from_probs(
-            q, seeds, positions, Stream.DRAFT))  # fmt: skip
-        for r, q_row in zip(which, q.unbind(0), strict=True):
+            q, seeds, positions, Stream.DRAFT if drafting else Stream.TARGET))  # fmt: skip
+        for r, q_row in zip(which, q.unbind(0) if drafting else [], strict=False):
             self.requests[rows[r].req_id].draft_probs.append(q_row)
         return tokens
 
@@ -315,7 +332,8 @@ class Worker:
                 raise RuntimeError(f"request {row.req_id}: {self.page_table.sizes[slot]} pages "
                                    f"cannot hold {row.start_pos + steps} tokens")
         drafts, qs = graphs.run(rows, [req.sampling for req in reqs], slots,
-                                [req.scored_pages > 0 for req in reqs], steps, self.kv_caches)
+                                [req.scored_pages > 0 for req in reqs], steps, self.kv_caches,
+                                keep_q=rows[0].kind == RowKind.DRAFT)  # fmt: skip
         if graphs.refresh:  # every step scored every row
             for req, pages in zip(reqs, final, strict=True):
                 req.scored_pages = pages
