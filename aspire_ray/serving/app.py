@@ -18,7 +18,8 @@ import socket
 from contextlib import suppress
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +27,7 @@ from . import protocol as P
 from .async_engine import AsyncLLMEngine
 from .errors import APIError, from_validation_error, internal_error
 from .limits import ConcurrencyLimit
-from .metrics import ServingMetrics
+from .metrics import METRICS_CONTENT_TYPE, ServingMetrics, make_registry
 from .openai_serving import OpenAIServing
 from .settings import AppArgs
 
@@ -39,6 +40,7 @@ def create_app(engine: AsyncLLMEngine, args: AppArgs,
                             limits=args.server)
     cap = args.server.max_body_bytes
     api_key = args.server.api_key
+    registry = make_registry(metrics, engine.stats, lambda: engine.healthy)
     app = FastAPI(title="aspire_ray", docs_url=None, redoc_url=None, openapi_url=None)
     replica = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -86,9 +88,10 @@ def create_app(engine: AsyncLLMEngine, args: AppArgs,
         return serving.models()
 
     @app.get("/metrics", dependencies=auth)
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.stats(), engine.healthy),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus() -> Response:
+        # the 0.0.4 text format's type (newer prometheus_client releases name 1.0.0 as the
+        # latest, which older Prometheus servers do not know); the body is valid under both
+        return Response(generate_latest(registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

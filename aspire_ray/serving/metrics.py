@@ -1,9 +1,16 @@
-"""Serving counters rendered as Prometheus text (``GET /metrics``).
+"""Serving counters exposed as Prometheus metrics (``GET /metrics``).
 
 Two writers: the engine thread (tokens generated each step, finished requests' speculation
-figures) and the event loop (HTTP responses). One lock guards all counters; rendering takes a
-consistent copy. Speculation figures (acceptance rate, mean draft length gamma) are computed
-from the ``RequestMetrics`` of finished requests and labelled with the engine's spec mode.
+figures) and the event loop (HTTP responses). One lock guards all counters. Speculation figures
+(acceptance rate, mean draft length gamma) are computed from the ``RequestMetrics`` of finished
+requests and labelled with the engine's spec mode.
+
+``prometheus_client`` renders the text; ``ServingCollector`` builds the metric families at
+scrape time, because ratios such as the acceptance rate must come from one locked copy of the
+counters, the engine's queue and page figures only exist as ``LLMEngine.stats()``, and
+``prometheus_client.Counter`` objects would add ``*_created`` series this endpoint never had.
+Each app gets its own ``CollectorRegistry`` (``make_registry``), never the global one: several
+apps in one process (tests, ``aspire-ray serve``) neither collide nor see each other's figures.
 """
 
 from __future__ import annotations
@@ -11,14 +18,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from functools import partial
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from aspire_ray.outputs import RequestOutput
 
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class ServingMetrics:
@@ -85,8 +96,8 @@ class ServingMetrics:
             self._trim(time.monotonic())
             return sum(n for _, n in self._recent) / self.window_s
 
-    def render(self, stats: dict, healthy: bool) -> str:
-        """Prometheus text exposition format 0.0.4; ``stats`` is ``LLMEngine.stats()``."""
+    def families(self, stats: dict, healthy: bool) -> list[Metric]:
+        """Every metric family at this instant; ``stats`` is ``LLMEngine.stats()``."""
         tps = self.tokens_per_second()
         with self._lock:
             http = dict(self._http)
@@ -95,66 +106,92 @@ class ServingMetrics:
             verifications, gamma_sum = self._verifications, self._gamma_sum
             prompt_tokens, gen_tokens = self._prompt_tokens, self._generation_tokens
             latency_sum, ttft_sum, ttft_count = self._latency_sum, self._ttft_sum, self._ttft_count
-        base = f'model="{_escape(self.model)}"'
-        spec = f'{base},spec_mode="{_escape(self.spec_mode)}"'
-        lines: list[str] = []
+        base = {"model": self.model}
+        spec = {"model": self.model, "spec_mode": self.spec_mode}
+        out: list[Metric] = []
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{{{labels}}} {value:.10g}")
+        def metric(kind: type, name: str, help_: str, labels: dict[str, str],
+                   value: float) -> None:
+            family = kind(name, help_, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            out.append(family)
 
-        metric("aspire_http_requests_total", "counter", "HTTP responses by endpoint and status.",
-               [(f'{base},endpoint="{e}",status="{s}"', n) for (e, s), n in sorted(http.items())])
-        metric("aspire_requests_finished_total", "counter", "Finished requests by finish reason.",
-               [(f'{base},finish_reason="{_escape(r)}"', n) for r, n in sorted(finished.items())])
+        counter, gauge = partial(metric, CounterMetricFamily), partial(metric, GaugeMetricFamily)
+
+        by_status = CounterMetricFamily("aspire_http_requests_total",
+                                        "HTTP responses by endpoint and status.",
+                                        labels=["model", "endpoint", "status"])
+        for (endpoint, status), n in sorted(http.items()):
+            by_status.add_metric([self.model, endpoint, str(status)], n)
+        by_reason = CounterMetricFamily("aspire_requests_finished_total",
+                                        "Finished requests by finish reason.",
+                                        labels=["model", "finish_reason"])
+        for reason, n in sorted(finished.items()):
+            by_reason.add_metric([self.model, reason], n)
+        out += [by_status, by_reason]
         total_finished = sum(finished.values())
-        metric("aspire_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-               [(base, prompt_tokens)])
-        metric("aspire_generation_tokens_total", "counter", "Committed output tokens.",
-               [(base, gen_tokens)])
-        metric("aspire_generation_tokens_per_second", "gauge",
-               f"Committed output tokens per second over the last {self.window_s:g} s.",
-               [(base, tps)])
-        metric("aspire_http_requests_in_flight", "gauge",
-               "Completion and chat requests being served, streams included.",
-               [(base, self.in_flight)])
-        metric("aspire_num_requests_waiting", "gauge", "Requests queued for admission.",
-               [(base, stats.get("waiting", 0))])
-        metric("aspire_num_requests_running", "gauge", "Requests in the running batch.",
-               [(base, stats.get("running", 0))])
+        counter("aspire_prompt_tokens_total", "Prompt tokens of finished requests.", base,
+                prompt_tokens)
+        counter("aspire_generation_tokens_total", "Committed output tokens.", base, gen_tokens)
+        gauge("aspire_generation_tokens_per_second",
+              f"Committed output tokens per second over the last {self.window_s:g} s.", base, tps)
+        gauge("aspire_http_requests_in_flight",
+              "Completion and chat requests being served, streams included.", base,
+              self.in_flight)
+        gauge("aspire_num_requests_waiting", "Requests queued for admission.", base,
+              stats.get("waiting", 0))
+        gauge("aspire_num_requests_running", "Requests in the running batch.", base,
+              stats.get("running", 0))
         used, total = stats.get("pages_used", 0), stats.get("pages_total", 0)
-        metric("aspire_kv_pages_used", "gauge", "KV cache pages in use.", [(base, used)])
-        metric("aspire_kv_pages_total", "gauge", "KV cache pages in the pool.", [(base, total)])
-        metric("aspire_kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use.",
-               [(base, used / total if total else 0.0)])
-        metric("aspire_engine_steps_total", "counter", "Engine steps run.",
-               [(base, stats.get("steps", 0))])
-        metric("aspire_preemptions_total", "counter", "Requests preempted for lack of pages.",
-               [(base, stats.get("preemptions", 0))])
-        metric("aspire_engine_healthy", "gauge", "1 while the engine loop is alive.",
-               [(base, int(healthy))])
-        metric("aspire_spec_draft_tokens_verified_total", "counter",
-               "Draft tokens verified (finished requests).", [(spec, verified)])
-        metric("aspire_spec_accepted_tokens_total", "counter",
-               "Draft tokens accepted by verification (finished requests).", [(spec, accepted)])
-        metric("aspire_spec_verifications_total", "counter",
-               "Verification steps with at least one draft (finished requests).",
-               [(spec, verifications)])
-        metric("aspire_spec_acceptance_rate", "gauge",
-               "Accepted / verified draft tokens over finished requests.",
-               [(spec, accepted / verified if verified else 0.0)])
-        metric("aspire_spec_mean_gamma", "gauge",
-               "Mean draft length per verification over finished requests.",
-               [(spec, gamma_sum / verifications if verifications else 0.0)])
-        metric("aspire_spec_mean_accepted_length", "gauge",
-               "Tokens committed per verification (accepted drafts + 1), finished requests.",
-               [(spec, (accepted + verifications) / verifications if verifications else 0.0)])
-        metric("aspire_request_latency_seconds_mean", "gauge",
-               "Mean arrival-to-finish time of finished requests.",
-               [(base, latency_sum / total_finished if total_finished else 0.0)])
-        metric("aspire_time_to_first_token_seconds_mean", "gauge",
-               "Mean arrival-to-first-token time of finished requests.",
-               [(base, ttft_sum / ttft_count if ttft_count else 0.0)])
-        return "\n".join(lines) + "\n"
+        gauge("aspire_kv_pages_used", "KV cache pages in use.", base, used)
+        gauge("aspire_kv_pages_total", "KV cache pages in the pool.", base, total)
+        gauge("aspire_kv_cache_usage_ratio", "Fraction of KV pages in use.", base,
+              used / total if total else 0.0)
+        counter("aspire_engine_steps_total", "Engine steps run.", base, stats.get("steps", 0))
+        counter("aspire_preemptions_total", "Requests preempted for lack of pages.", base,
+                stats.get("preemptions", 0))
+        gauge("aspire_engine_healthy", "1 while the engine loop is alive.", base, int(healthy))
+        counter("aspire_spec_draft_tokens_verified_total",
+                "Draft tokens verified (finished requests).", spec, verified)
+        counter("aspire_spec_accepted_tokens_total",
+                "Draft tokens accepted by verification (finished requests).", spec, accepted)
+        counter("aspire_spec_verifications_total",
+                "Verification steps with at least one draft (finished requests).", spec,
+                verifications)
+        gauge("aspire_spec_acceptance_rate",
+              "Accepted / verified draft tokens over finished requests.", spec,
+              accepted / verified if verified else 0.0)
+        gauge("aspire_spec_mean_gamma",
+              "Mean draft length per verification over finished requests.", spec,
+              gamma_sum / verifications if verifications else 0.0)
+        gauge("aspire_spec_mean_accepted_length",
+              "Tokens committed per verification (accepted drafts + 1), finished requests.",
+              spec, (accepted + verifications) / verifications if verifications else 0.0)
+        gauge("aspire_request_latency_seconds_mean",
+              "Mean arrival-to-finish time of finished requests.", base,
+              latency_sum / total_finished if total_finished else 0.0)
+        gauge("aspire_time_to_first_token_seconds_mean",
+              "Mean arrival-to-first-token time of finished requests.", base,
+              ttft_sum / ttft_count if ttft_count else 0.0)
+        return out
+
+
+class ServingCollector(Collector):
+    """Reads ``ServingMetrics`` and the engine's live stats on every scrape (nothing cached)."""
+
+    def __init__(self, metrics: ServingMetrics, stats: Callable[[], dict],
+                 healthy: Callable[[], bool]) -> None:
+        self.metrics = metrics
+        self.stats = stats  # LLMEngine.stats of the engine this app serves
+        self.healthy = healthy
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics.families(self.stats(), self.healthy())
+
+
+def make_registry(metrics: ServingMetrics, stats: Callable[[], dict],
+                  healthy: Callable[[], bool]) -> CollectorRegistry:
+    """A registry for one app alone: render it with ``prometheus_client.generate_latest``."""
+    registry = CollectorRegistry()
+    registry.register(ServingCollector(metrics, stats, healthy))
+    return registry

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from aspire_ray.serving.metrics import ServingMetrics
 
@@ -206,6 +207,7 @@ def test_models_health_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(f"{live.url}/health").status_code == 200
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
     text = httpx.get(f"{live.url}/metrics").text
     for name in ("aspire_http_requests_total", "aspire_generation_tokens_total",
                  "aspire_generation_tokens_per_second", "aspire_num_requests_waiting",
@@ -213,8 +215,11 @@ def test_models_health_metrics(client, server):
                  "aspire_spec_mean_gamma"):
         assert re.search(rf"^{name}{{[^}}]*}} [0-9.e+-]+$", text, re.M), name
     assert 'spec_mode="aspire"' in text
-    assert re.search(r'aspire_http_requests_total\{[^}]*endpoint="/v1/completions",'
-                     r'status="200"\} [1-9]', text)
+    # matched on parsed labels: prometheus_client writes them sorted by name, not as declared
+    completions = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "aspire_http_requests_total"
+                   and s.labels["endpoint"] == "/v1/completions" and s.labels["status"] == "200"]
+    assert completions and completions[0] >= 1
 
 
 def test_api_key(tiny_chat_model):
