@@ -1,12 +1,21 @@
-"""Committed tokens -> text, incrementally, and stop-string detection (driver side)."""
+"""Committed tokens -> text, incrementally, and stop-string detection (driver side).
+
+Not ``tokenizers.decoders.DecodeStream``: it re-decodes every token since its last emitted
+chunk, and emits nothing until that whole window decodes without a trailing U+FFFD, so on
+output that stays invalid UTF-8 the window, and each step's work, grow with the output (issue 19
+defect 5; ``tests/test_detokenizer.py`` shows the case).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A character is at most 4 bytes, so at most 4 tokens: a window still incomplete after this many
-# new tokens holds bytes that will never decode (the model emitted invalid UTF-8). Past it the
-# older tokens are settled as they decode (with U+FFFD), keeping each step's work bounded.
+# A character is at most 4 bytes, so an incomplete one at the end spans at most 3 tokens: of the
+# last HOLD_BACK cuts, the latest that ends on a whole character is emitted (so no character
+# that completes straddles the cut at n - HOLD_BACK used below). A window still incomplete
+# after MAX_PENDING new tokens holds bytes that will never decode (the model emitted invalid
+# UTF-8): all but the last HOLD_BACK tokens are settled as they decode (with U+FFFD), keeping
+# each step's work bounded.
 MAX_PENDING = 8
 HOLD_BACK = 4
 
@@ -41,14 +50,18 @@ class Detokenizer:
     def update(self, state: DecodeState, token_ids: list[int]) -> str:
         """Text of ``token_ids`` (which extend those of earlier calls), decoding only the
         unsettled window: O(new tokens) rather than O(output) per step. An incomplete
-        character at the end is held back (it would decode as U+FFFD)."""
-        if self.tokenizer is None or len(token_ids) <= state.read:
+        character at the end is held back (it would decode as U+FFFD); the text before it is
+        emitted, even when several tokens arrive at once."""
+        n = len(token_ids)
+        if self.tokenizer is None or n <= state.read:
             return state.text
-        window = self.decode(token_ids[state.prefix :])
-        if len(window) > len(state.prefix_text) and not window.endswith("\ufffd"):
-            self._settle(state, token_ids, len(token_ids), window)
-        elif len(token_ids) - state.read > MAX_PENDING:  # invalid UTF-8: settle all but the last
-            end = len(token_ids) - HOLD_BACK
+        for end in range(n, max(state.read, n - HOLD_BACK), -1):
+            window = self.decode(token_ids[state.prefix : end])
+            if len(window) > len(state.prefix_text) and not window.endswith("\ufffd"):
+                self._settle(state, token_ids, end, window)
+                break
+        if n - state.read > MAX_PENDING:  # invalid UTF-8: settle all but the last HOLD_BACK
+            end = n - HOLD_BACK
             self._settle(state, token_ids, end, self.decode(token_ids[state.prefix : end]))
         return state.text
 
