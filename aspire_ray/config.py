@@ -80,6 +80,14 @@ class SpecConfig:
     # GPU runs the chain). On an H200 with the draft-step graphs it made magicdec 10-28% and
     # aspire_fixed 7-20% faster (docs/benchmarks.md §8.6).
     chain_verify: bool = True
+    # With chain_verify: in a greedy batch where every request starts a round (no pending
+    # drafts), up to this many rounds run back to back in one plan, the worker starting each
+    # from the last one's accepted tokens: one engine round trip (commit, stop checks,
+    # scheduling) per this many rounds. Clients receive up to this many rounds' tokens at once.
+    # 1 by default: on an H200 4 rounds per plan changed a round by -3% (magicdec) and +4%
+    # (aspire_fixed), within noise (docs/benchmarks.md §8.12): the GPU idles inside a round
+    # (its verification is planned and launched by the host), not between plans.
+    rounds_per_plan: int = 1
     # ar: once every request decodes (nothing in prefill, nobody waiting), this many decode
     # steps run back to back as one plan (a decode chain, as vLLM's multi-step scheduling):
     # each step's token feeds the next on the device, stop conditions apply when the chain
@@ -105,6 +113,8 @@ class SpecConfig:
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
+        _require(1 <= self.rounds_per_plan <= 64,
+                 f"rounds_per_plan must be in [1, 64], got {self.rounds_per_plan}")
         _require(1 <= self.ar_chain <= 64, f"ar_chain must be in [1, 64], got {self.ar_chain}")
         _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
 

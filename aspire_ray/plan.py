@@ -6,6 +6,7 @@ Notation (DESIGN.md §1.3): x_1..x_n committed, KV exact for x_1..x_{n-1}.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -57,6 +58,10 @@ class RowPlan:
     # DRAFT (a chain that ends its round): verify in the same plan right after the chain; the
     # verify row's inputs are these known tokens [x_n, d_1..d_d], then the chain's drafts
     verify_after: list[int] | None = None
+    # DRAFT with verify_after = [x_n] (a fresh round): this many rounds back to back in the
+    # worker, each num_steps drafts and their verification, each starting after the tokens
+    # the last one committed; no engine round trip between them (RowResult.rounds)
+    num_rounds: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +74,16 @@ class RowPlan:
     @property
     def final_context_len(self) -> int:
         """KV context after the row's last step (the pages it needs)."""
-        return self.context_len + self.num_steps - 1 + (self.verify_after is not None)
+        round_end = self.context_len + self.num_steps - 1 + (self.verify_after is not None)
+        return round_end + (self.num_rounds - 1) * (self.num_steps + 1)  # rounds accepting all
+
+    def next_round(self, committed: list[int]) -> RowPlan:
+        """The row of the round after this one (``num_rounds``), given the tokens this one's
+        verification committed: its last token drafts next, at the position after them."""
+        start = self.start_pos - (len(self.verify_after) - 1) + len(committed)
+        return RowPlan(self.req_id, RowKind.DRAFT, [committed[-1]], start, 0, [],
+                       num_steps=self.num_steps, verify_after=[committed[-1]],
+                       num_rounds=self.num_rounds - 1)  # fmt: skip
 
     def verify_row(self, drafts: list[int]) -> RowPlan:
         """The verify row that follows this chain row (``verify_after``), given its drafts."""
@@ -96,6 +110,9 @@ class RowResult:
     tokens: list[int]
     num_accepted: int = 0  # VERIFY: drafts accepted
     verified: RowResult | None = None  # DRAFT with verify_after: the verify row's result
+    # DRAFT with num_rounds > 1: the results of the rounds after the first, in order (each a
+    # DRAFT result with its ``verified``)
+    rounds: list[RowResult] = field(default_factory=list)
 
 
 @dataclass
@@ -104,3 +121,13 @@ class StepOutput:
     results: list[RowResult]
     # seconds: "forward", "sample", "prepare", "total" (worker-side)
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def rounds_of(row: RowPlan, res: RowResult) -> Iterator[tuple[RowPlan, RowResult]]:
+    """(row, result) of each round a plan row ran, in order: the row itself, then for a row
+    of several rounds (``num_rounds``) each next round's row and result."""
+    yield row, res
+    for result in res.rounds:
+        row = row.next_round(res.verified.tokens)
+        res = result
+        yield row, res

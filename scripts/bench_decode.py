@@ -59,16 +59,19 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
-    VARIANTS or gN (gamma = N), or several joined by "+", e.g. "aspire_fixed/round+g8"."""
+    VARIANTS, gN (gamma = N) or rN (N rounds per plan), or several joined by "+", e.g.
+    "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
         if re.fullmatch(r"g\d+", part):
             options["gamma"] = int(part[1:])
+        elif re.fullmatch(r"r\d+", part):  # rounds per plan
+            options["rounds_per_plan"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
         else:
-            raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, "
+            raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, "
                              f"{', '.join(v for v in VARIANTS if v)})")
     return spec_mode, options
 

@@ -59,13 +59,13 @@ class Recorder:
         out = self.inner.execute(plan)
         rows = [
             Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts, r.num_steps,
-                r.verify_after is not None)
+                r.verify_after is not None, r.num_rounds)
             for r in plan.rows
         ]
         # a round's verification (after the chain, in the same plan), with placeholder drafts
         rows += [
-            Row("verify", v.context_len, v.num_tokens, v.num_drafts, 1, True)
-            for v in (r.verify_row([0] * r.num_steps) for r in plan.rows if r.verify_after)
+            Row("verify", v.context_len, v.num_tokens, v.num_drafts, 1, True, r.num_rounds)
+            for r, v in ((r, r.verify_row([0] * r.num_steps)) for r in plan.rows if r.verify_after)
         ]
         self.steps.append((rows, dict(out.timings)))
         return out
@@ -173,18 +173,19 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
 
 def new_tokens(args) -> int:
     """Output tokens per request that outlast the run: every engine step (a round of draft
-    chain + verification commits up to gamma + 1 tokens in one plan, an ar decode chain
-    ar_chain tokens) plus a verification."""
+    chain + verification commits up to gamma + 1 tokens, rounds_per_plan of them in one plan;
+    an ar decode chain ar_chain tokens) plus a verification."""
     plans = args.warmup + args.steps + args.profile_steps + args.cprofile
     spec = SpecConfig()
-    return plans * max(spec.gamma + 1, spec.ar_chain) + spec.d_max + 2
+    return plans * max((spec.gamma + 1) * spec.rounds_per_plan, spec.ar_chain) + spec.d_max + 2
 
 
 def chain_steps(rows) -> int:
     """Decode steps one plan stands for: a draft chain's steps (RowPlan.num_steps), else 1 (a
-    round, chain and verification, is one step of its own kind)."""
+    round, chain and verification, is one step of its own kind; a plan of several rounds
+    stands for that many)."""
     if any(r.in_round for r in rows):
-        return 1
+        return max(r.rounds for r in rows)
     return max((r.num_steps for r in rows), default=1)
 
 

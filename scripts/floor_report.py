@@ -26,6 +26,7 @@ class Row(NamedTuple):
     num_drafts: int = 0  # verify rows: d (0: a plain autoregressive step)
     num_steps: int = 1  # draft rows of a draft chain: its steps (bytes are per step)
     in_round: bool = False  # a chain and its verification in one plan (a "round")
+    rounds: int = 1  # rounds of that plan (RowPlan.num_rounds; bytes are per round)
 
 
 def weight_bytes(shapes: Iterable[tuple[str, Sequence[int]]], n_tokens: int, elem: int) -> int:

@@ -88,6 +88,8 @@ class TraceExecutor(Executor):
                 "refresh_layer": self.meta["num_layers"] - 2, "device_name": "simulated"}
 
     def _draft(self, i: int, o: int) -> int:
+        if o >= len(self.tokens[i]):  # a later round of a plan, past the request's end
+            return -1
         t = self.tokens[i][o]
         return t if self.bits and self.bits[i][o] == "1" else t + 1  # any other token
 
@@ -97,6 +99,7 @@ class TraceExecutor(Executor):
         if row.num_steps > 1:  # an ar decode chain: the target's next num_steps tokens
             return RowResult(row.req_id, row.kind, self.tokens[i][o : o + row.num_steps])
         target = self.tokens[i][o : o + row.num_drafts + 1]
+        target += [-2] * (row.num_drafts + 1 - len(target))  # past the end: the engine stops
         drafts = row.token_ids[1:]
         a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
         return RowResult(row.req_id, row.kind, target[: a + 1], a)
@@ -112,20 +115,30 @@ class TraceExecutor(Executor):
                                          [self.tokens[i][o]] if row.sample else []))
             elif row.kind == RowKind.VERIFY:
                 results.append(self._verify(i, row))
-            else:
-                drafts = [self._draft(i, o + s) for s in range(row.num_steps)]
-                if getattr(row, "verify_after", None) is None:
-                    results.append(RowResult(row.req_id, row.kind, drafts))
-                else:  # a chain that ends its round with a verification in the same plan
+            elif getattr(row, "verify_after", None) is None:
+                results.append(RowResult(row.req_id, row.kind,
+                                         [self._draft(i, o + s) for s in range(row.num_steps)]))
+            else:  # chains that end their rounds with a verification, in the same plan
+                rounds = []
+                for r in range(row.num_rounds):
+                    o = row.context_len - self.prompt_lens[i]
+                    drafts = [self._draft(i, o + s) for s in range(row.num_steps)]
                     vrow = row.verify_row(drafts)
-                    verify_after.append(vrow)
-                    results.append(RowResult(row.req_id, row.kind, drafts,
-                                             verified=self._verify(i, vrow)))
+                    verify_after.append((r, vrow))
+                    rounds.append(RowResult(row.req_id, row.kind, drafts,
+                                            verified=self._verify(i, vrow)))
+                    if row.num_rounds > 1:
+                        row = row.next_round(rounds[-1].verified.tokens)
+                rounds[0].rounds = rounds[1:]
+                results.append(rounds[0])
+        # each round: its chain's steps (priced at the plan's first context), its verification
         steps = max(r.num_steps for r in plan.rows)
-        seconds = steps * self.costs.worker_seconds(*self.policy.step_features(plan.rows),
-                                                    chained=steps > 1)
-        if verify_after:
-            seconds += self.costs.worker_seconds(*self.policy.step_features(verify_after))
+        rounds = max(r.num_rounds for r in plan.rows)
+        seconds = rounds * steps * self.costs.worker_seconds(
+            *self.policy.step_features(plan.rows), chained=steps > 1)  # fmt: skip
+        for r in range(rounds if verify_after else 0):
+            vrows = [v for at, v in verify_after if at == r]
+            seconds += self.costs.worker_seconds(*self.policy.step_features(vrows))
         self.worker_s += seconds
         self.host_s += self.costs.host_per_plan
         return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from aspire_ray.plan import RowKind
+from aspire_ray.plan import RowKind, rounds_of
 
 FORMAT = "aspire-ray-traces/1"
 POLICY_OF_MODE = {"magicdec": "window", "specattn": "verify_topk", "aspire_fixed": "refresh",
@@ -61,17 +61,19 @@ class TraceRecorder:
 
     def _observe(self, plan):
         out = self._execute(plan)
-        for row, res in zip(plan.rows, out.results, strict=True):
-            if getattr(row, "verify_after", None) is not None:  # a chain and its verification
-                row, res = row.verify_row(res.tokens), res.verified
-            if row.kind != RowKind.VERIFY or row.num_drafts == 0:
-                continue
-            req = self.engine.requests.get(row.req_id)
-            if req is None:
-                continue
-            # the verify row's input x_n sits at start_pos; its first draft is token start_pos + 1
-            o = row.start_pos + 1 - len(req.prompt_token_ids)
-            self.rounds.setdefault(row.req_id, []).append((o, row.num_drafts, res.num_accepted))
+        for plan_row, plan_res in zip(plan.rows, out.results, strict=True):
+            for row, res in rounds_of(plan_row, plan_res):  # a plan may hold several rounds
+                if getattr(row, "verify_after", None) is not None:  # a chain and its verification
+                    row, res = row.verify_row(res.tokens), res.verified
+                if row.kind != RowKind.VERIFY or row.num_drafts == 0:
+                    continue
+                req = self.engine.requests.get(row.req_id)
+                if req is None:
+                    continue
+                # the verify row's input x_n sits at start_pos; its first draft is start_pos + 1
+                o = row.start_pos + 1 - len(req.prompt_token_ids)
+                self.rounds.setdefault(row.req_id, []).append((o, row.num_drafts,
+                                                               res.num_accepted))
         return out
 
     def detach(self) -> None:

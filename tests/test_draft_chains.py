@@ -25,14 +25,17 @@ def _run(model_dir, mode, temperature=0.0, **extra):
 
     def recording(plan):
         chains.append(max((row.num_steps for row in plan.rows), default=1))
-        rounds.append(any(row.verify_after is not None for row in plan.rows))
+        rounds.append(max((row.num_rounds for row in plan.rows if row.verify_after is not None),
+                          default=0))  # rounds in the plan  # fmt: skip
         return execute(plan)
 
     engine.executor.execute = recording
     prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=5)
     params = [SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)] * 4
     outs = run_staggered(engine, prompts, params, arrive_every=2)
-    return outs, [k for k, r in zip(chains, rounds, strict=True) if not r] or [1], sum(rounds)
+    _run.most_rounds = max(rounds, default=0)  # most rounds one plan held
+    round_plans = sum(1 for r in rounds if r)
+    return outs, [k for k, r in zip(chains, rounds, strict=True) if not r] or [1], round_plans
 
 
 @pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
@@ -47,6 +50,18 @@ def test_chains_give_the_tokens_of_single_draft_steps(tiny_model_dir, mode):
     # with chain_verify whole rounds ran as one plan (every draft, then the verification)
     assert rounds > 0
     assert rounded == chained == single == expected
+
+
+@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
+def test_rounds_per_plan_give_the_tokens_of_one_round_per_plan(tiny_model_dir, mode):
+    # several rounds in one plan (the worker starts each from the last one's accepted tokens;
+    # the engine commits them in order, stops in any, frees pages after the last): same tokens
+    model_dir = tiny_model_dir("llama")
+    one, _, one_rounds = _run(model_dir, mode, rounds_per_plan=1)
+    assert _run.most_rounds == 1
+    several, _, rounds = _run(model_dir, mode, rounds_per_plan=3)
+    assert _run.most_rounds == 3 and rounds < one_rounds  # fewer plans held the rounds
+    assert several == one == _run(model_dir, "ar")[0]
 
 
 @pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])

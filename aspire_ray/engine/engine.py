@@ -15,7 +15,7 @@ from aspire_ray.executor import Executor, make_executor
 from aspire_ray.executor.base import WorkerDiedError
 from aspire_ray.model import loader
 from aspire_ray.outputs import RequestOutput
-from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput
+from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput, rounds_of
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
 from aspire_ray.spec.cost_model import CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
@@ -155,29 +155,40 @@ class LLMEngine:
             req = self.requests.get(row.req_id)
             if req is None or req.status != Status.RUNNING:
                 continue
-            if row.kind == RowKind.DRAFT:  # one draft per step of the row (a chain: several)
-                req.drafts += res.tokens
-                req.metrics.drafted += len(res.tokens)
-                req.metrics.decode_steps += len(res.tokens)
-                if res.verified is None:
-                    continue
-                # the chain ended its round: commit the verification that followed it
-                row, res = row.verify_row(res.tokens), res.verified
-            if row.kind == RowKind.PREFILL:
-                req.num_computed += row.num_tokens
-            else:
-                self._account_verify(req, row, res)
-                # a decode chain (ar) computed the KV of all its steps' inputs
-                req.num_computed = row.start_pos + row.num_steps + res.num_accepted
-                req.drafts = []
-            if res.tokens:
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-                self._append(req, res.tokens)
+            committed = False
+            for round_row, result in rounds_of(row, res):  # several rounds: one at a time
+                if req.status != Status.RUNNING:
+                    break  # stopped in an earlier round: the later rounds' tokens are dropped
+                committed |= self._commit_row(req, round_row, result, now)
+            if committed:
                 changed.append(req)
-            if req.status == Status.RUNNING:
+            if req.status == Status.RUNNING:  # after all rounds: their KV is in these pages
                 self.scheduler.truncate_pages(req)
         return changed
+
+    def _commit_row(self, req: Request, row: RowPlan, res: RowResult, now: float) -> bool:
+        """One row's (or round's) result into its request -> whether it committed tokens."""
+        if row.kind == RowKind.DRAFT:  # one draft per step of the row (a chain: several)
+            req.drafts += res.tokens
+            req.metrics.drafted += len(res.tokens)
+            req.metrics.decode_steps += len(res.tokens)
+            if res.verified is None:
+                return False
+            # the chain ended its round: commit the verification that followed it
+            row, res = row.verify_row(res.tokens), res.verified
+        if row.kind == RowKind.PREFILL:
+            req.num_computed += row.num_tokens
+        else:
+            self._account_verify(req, row, res)
+            # a decode chain (ar) computed the KV of all its steps' inputs
+            req.num_computed = row.start_pos + row.num_steps + res.num_accepted
+            req.drafts = []
+        if not res.tokens:
+            return False
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        self._append(req, res.tokens)
+        return True
 
     def _account_verify(self, req: Request, row: RowPlan, res: RowResult) -> None:
         d, a = row.num_drafts, res.num_accepted
@@ -247,7 +258,8 @@ class LLMEngine:
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
         steps = max((row.num_steps for row in rows), default=1)  # a draft chain: its steps
         if any(row.verify_after is not None for row in rows):
-            label, steps = "round", 1  # a chain and the verification after it, one plan
+            # a chain and the verification after it, one plan (or several rounds of them)
+            label, steps = "round", max(row.num_rounds for row in rows)
         self.step_kinds[label] += steps
         self.step_seconds[label] += out.timings.get("total", 0.0)
         # tau is the whole worker step: a draft step's page selection, refresh and sampling

@@ -107,12 +107,14 @@ class Scheduler:
             verify_after &= all(r.sampling.greedy for r in decoding) and \
                 sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
                     for r in decoding) <= budget  # fmt: skip
+        rounds = self._rounds(decoding, chain) if verify_after else 1
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             if self.pause_decoding and not req.in_prefill:
                 continue
-            row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after)
+            row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
+                                rounds)  # fmt: skip
             if row is None:
                 continue
             if not self._ensure_pages(req, row.final_context_len):
@@ -146,8 +148,19 @@ class Scheduler:
         k = min(self.policy.cfg.ar_chain, max(r.remaining_tokens for r in reqs))
         return max(1, min(k, min(self.max_model_len - r.num_tokens + 1 for r in reqs)))
 
+    def _rounds(self, reqs: list[Request], k: int) -> int:
+        """Rounds of k drafts of a greedy synchronized batch in one plan
+        (``SpecConfig.rounds_per_plan``): only when every request starts a round, no more
+        than any request still wants, within every request's room in the context."""
+        if any(r.drafts for r in reqs):
+            return 1
+        n = min(self.policy.cfg.rounds_per_plan,
+                -(-max(r.remaining_tokens for r in reqs) // (k + 1)))  # fmt: skip
+        room = min((self.max_model_len - r.num_tokens + 1) // (k + 1) for r in reqs)
+        return max(1, min(n, room))
+
     def _row_for(self, req: Request, action: Action | None, budget: int, chain: int = 1,
-                 verify_after: bool = False) -> RowPlan | None:  # fmt: skip
+                 verify_after: bool = False, rounds: int = 1) -> RowPlan | None:  # fmt: skip
         if req.in_prefill or action is None:
             n = min(req.num_tokens - req.num_computed, budget)
             if n <= 0:
@@ -163,7 +176,8 @@ class Scheduler:
             token = req.drafts[-1] if req.drafts else req.last_token
             return RowPlan(req.req_id, RowKind.DRAFT, [token], last + len(req.drafts), 0, [],
                            num_steps=chain,
-                           verify_after=[req.last_token] + req.drafts if verify_after else None)
+                           verify_after=[req.last_token] + req.drafts if verify_after else None,
+                           num_rounds=rounds)  # fmt: skip
         tokens = [req.last_token] + req.drafts
         if len(tokens) > budget:
             return None

@@ -245,7 +245,9 @@ class Worker:
         position start_pos + s from step s - 1's drafts, which stay on the device, as do the
         verify rows' draft inputs; sampled rows draw on the device too and keep each draft's
         q. Or a decode chain (``ar``: verify rows without drafts): ``steps`` decode steps, each
-        step's tokens the next one's inputs. The host syncs once, at the end."""
+        step's tokens the next one's inputs. The host syncs once, at the end. Rows of
+        ``num_rounds`` R > 1: R rounds back to back, each starting after the tokens the last
+        one committed (one sync per round, no engine round trip between them)."""
         decode = rows[0].kind == RowKind.VERIFY
         verify = rows[0].verify_after is not None
         for row in rows:
@@ -259,6 +261,27 @@ class Worker:
                                  f"verifying after, greedy, or none) or verify rows without "
                                  f"drafts of {steps} steps, got {row.kind.name} row "
                                  f"{row.req_id!r} of {row.num_steps}")
+        rounds = rows[0].num_rounds
+        if any(row.num_rounds != rounds for row in rows) or (rounds > 1 and not verify):
+            raise ValueError("a plan's rounds hold verifying chain rows of one round count")
+        results, refresh, wait = self._chain_round(rows, steps, verify)
+        last = results
+        for _ in range(rounds - 1):  # the next round starts after each row's committed tokens
+            rows = [row.next_round(res.verified.tokens) for row, res in zip(rows, last,
+                                                                            strict=True)]
+            last, more_refresh, more_wait = self._chain_round(rows, steps, verify)
+            refresh, wait = refresh + more_refresh, wait + more_wait
+            for first, res in zip(results, last, strict=True):
+                first.rounds.append(res)
+        total = time.perf_counter() - t0
+        timings = {"prepare": total - wait, "forward": wait, "sample": 0.0, "total": total,
+                   "refresh": refresh}
+        return StepOutput(step_id, results, timings)
+
+    def _chain_round(self, rows: list[RowPlan], steps: int,
+                     verify: bool) -> tuple[list[RowResult], float, float]:  # fmt: skip
+        """One chain (and its verification) -> (each row's result, the refresh layer's
+        seconds, the seconds the host waited for the device)."""
         drafts, refresh = self._draft_graph_chain(rows, steps), 0.0
         if drafts is None:  # one planned forward per step
             first = torch.arange(len(rows), device=self.device)  # a draft row's input token
@@ -280,7 +303,7 @@ class Worker:
             refresh += batch.attention.refresh_seconds
         t1 = time.perf_counter()
         flat = out.tolist()  # the chain's one device sync
-        t2 = time.perf_counter()
+        wait = time.perf_counter() - t1
         results, n = [], len(rows) * steps
         for r, row in enumerate(rows):
             chain = flat[r * steps : (r + 1) * steps]
@@ -291,9 +314,7 @@ class Worker:
                     flat[n + lo : n + hi], row.verify_after[1:] + chain)
                 res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
             results.append(res)
-        timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0, "total": t2 - t0,
-                   "refresh": refresh}
-        return StepOutput(step_id, results, timings)
+        return results, refresh, wait
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
         """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
