@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         from ray import serve
 
-        from .serving.app import build_app
+        from .serving.deployment import build_app
 
         serve.start(http_options=http)
         serve.run(build_app(parsed.model_dump(mode="json")), name="aspire", route_prefix="/",

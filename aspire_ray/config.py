@@ -5,15 +5,73 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SPEC_MODES = ("ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire")
+import numpy as np
+
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 CALIBRATE = ("auto", "off", "force")
+GAMMA_RULES = ("none", "fixed", "fsm", "cost_model")  # draft-length rules (spec/draft_policy.py)
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What one speculation mode means (DESIGN.md §1.6): a row of ``MODES``. Every module reads
+    these fields; none compares mode names."""
+
+    # which pages a draft row attends to, a name in worker/page_selector.py's PAGE_POLICIES:
+    # "window" (the sink page plus the most recent pages, StreamingLLM), "topk" (top-scoring
+    # pages plus the sink and the recent ones); "none": the mode never drafts
+    page_policy: str
+    # draft rows run the refresh layer over every page and re-score the pages; False: the
+    # scores come from the last verification only
+    refresh_while_drafting: bool
+    # the whole batch drafts, then the whole batch verifies (a request idles while it waits);
+    # False: each request verifies when its own target is reached
+    synchronized: bool
+    # draft length before a verification: "none" (0), "fixed" (SpecConfig.gamma), "fsm" (+1
+    # after a full acceptance, -1 after a rejection, in [fsm_min, fsm_max]), "cost_model"
+    # (gamma_i from alpha_i and the cost model's c_i)
+    gamma_rule: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.page_policy), "page_policy must name a policy or be 'none'")
+        _require(self.gamma_rule in GAMMA_RULES,
+                 f"gamma_rule must be one of {GAMMA_RULES}, got {self.gamma_rule!r}")
+        _require((self.page_policy == "none") == (self.gamma_rule == "none"),
+                 f"a mode drafts over pages or not at all, got page_policy "
+                 f"{self.page_policy!r} with gamma_rule {self.gamma_rule!r}")
+        _require(not self.refresh_while_drafting or self.speculative,
+                 "refresh_while_drafting needs draft rows, got gamma_rule 'none'")
+        _require(not self.synchronized or self.speculative,
+                 "a mode without drafts has no synchronized rounds")
+
+    @property
+    def speculative(self) -> bool:
+        return self.gamma_rule != "none"
+
+    @property
+    def reads_cost_model(self) -> bool:
+        """Whether the schedule reads the cost model (start-up calibration pays off)."""
+        return self.gamma_rule == "cost_model"
+
+
+# DESIGN.md §1.6, one row per mode: a new mode is one row here (a new page policy: one class in
+# worker/page_selector.py's PAGE_POLICIES, named by the row).
+MODES: dict[str, ModeSpec] = {
+    #                         page_policy  refresh_while_drafting  synchronized  gamma_rule
+    "ar":           ModeSpec("none",      False,                  False,        "none"),
+    "magicdec":     ModeSpec("window",    False,                  True,         "fixed"),
+    "specattn":     ModeSpec("topk",      False,                  True,         "fixed"),
+    "aspire_fixed": ModeSpec("topk",      True,                   True,         "fixed"),
+    "aspire_fsm":   ModeSpec("topk",      True,                   False,        "fsm"),
+    "aspire":       ModeSpec("topk",      True,                   False,        "cost_model"),
+}  # fmt: skip
+SPEC_MODES = tuple(MODES)
 
 
 @dataclass(frozen=True)
@@ -96,8 +154,8 @@ class SpecConfig:
     ar_chain: int = 8
 
     def __post_init__(self) -> None:
-        _require(self.mode in SPEC_MODES,
-                 f"spec_mode must be one of {SPEC_MODES}, got {self.mode!r}")
+        _require(self.mode in MODES,
+                 f"spec_mode must be one of {tuple(MODES)}, got {self.mode!r}")
         _require(self.k_min >= 1, f"k_min must be >= 1, got {self.k_min}")
         _require(0.0 < self.rho <= 1.0, f"rho must be in (0, 1], got {self.rho}")
         _require(self.recent_pages >= 1, f"recent_pages must be >= 1, got {self.recent_pages}")
@@ -123,17 +181,36 @@ class SpecConfig:
         driver's cost model and the worker's page selection both use."""
         return max(self.k_min, math.ceil(self.rho * num_pages))
 
+    def sparse_budgets(self, num_pages):
+        """``sparse_budget`` of every entry of int64 [R] page counts, a numpy array (host) or a
+        torch tensor (device) -> int64 [R] of the same kind; float64 like the scalar form, so
+        the driver, the host and the device agree on every k_i."""
+        if hasattr(num_pages, "double"):  # torch, without importing it here
+            return (self.rho * num_pages.double()).ceil().long().clamp(min=self.k_min)
+        return np.maximum(self.k_min, np.ceil(self.rho * num_pages).astype(np.int64))
+
+    @property
+    def mode_spec(self) -> ModeSpec:
+        return MODES[self.mode]
+
     @property
     def speculative(self) -> bool:
-        return self.mode != "ar"
+        return self.mode_spec.speculative
 
     @property
     def synchronized(self) -> bool:
-        return self.mode in ("magicdec", "specattn", "aspire_fixed")
+        return self.mode_spec.synchronized
 
     @property
     def refresh_while_drafting(self) -> bool:
-        return self.mode in ("aspire_fixed", "aspire_fsm", "aspire")
+        return self.mode_spec.refresh_while_drafting
+
+    @property
+    def max_drafts(self) -> int:
+        """Most drafts a request may hold, whatever its gamma rule asks (gamma, fsm_max and
+        the cost model's optimum are all clamped to it): d_max; 0 without drafts. A verify
+        row has at most max_drafts + 1 queries."""
+        return self.d_max if self.speculative else 0
 
 
 @dataclass(frozen=True)
@@ -172,10 +249,10 @@ class EngineConfig:
                  f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         _require(self.device.split(":")[0] in ("cpu", "cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        # a verify row of d_max drafts (d_max + 1 tokens) must fit in one step's token budget,
-        # else it is never scheduled and the engine spins
+        # a verify row of max_drafts drafts (max_drafts + 1 tokens) must fit in one step's token
+        # budget, else it is never scheduled and the engine spins
         budget = self.scheduler.max_num_batched_tokens
-        _require(not self.spec.speculative or self.spec.d_max + 1 <= budget,
+        _require(self.spec.max_drafts + 1 <= budget,
                  f"d_max + 1 ({self.spec.d_max + 1}, d_max={self.spec.d_max}) must not exceed "
                  f"max_num_batched_tokens ({budget}): a verify row of d_max drafts would never "
                  "fit in a step")

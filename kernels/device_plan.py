@@ -5,7 +5,8 @@ copies of its metadata. A draft step of a chain has page lists that only the dev
 (their lengths follow the positions, which move on the device from step to step), so this
 module computes the same work lists from the device metadata with fixed-shape tensor ops: no
 host copies, no device sync, capturable in a CUDA graph. Rows hold one query each (decode and
-draft rows); rows listing no page (a bucket's padding) get no work.
+draft rows) or gamma + 1 each (a round's verify rows); rows listing no page (a bucket's
+padding) get no work.
 
 Meaning: for such rows, the items equal ``_host_plan``'s item for item, so the attention's
 split and merge order, and with it every bit of its output, is the host plan's
@@ -32,47 +33,64 @@ def ragged_fixed(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, tor
 
 def decode_attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int,
                            group: int, hkv: int, cfg: AttentionConfig, num_sms: int,
-                           capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor]:  # fmt: skip
-    """Attention work of one-query rows, as ``_host_plan`` splits them.
+                           capacity: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention work of rows of ``q`` queries each (one: decode and draft rows; gamma + 1:
+    the verify rows of a synchronized round), as ``_host_plan`` splits them.
 
     kv_indptr: int [R + 1]; last_len: int [R] -> (items int64 [6, capacity] with their count
-    int64 [1]; merge entries int64 [4, R] with their count int64 [1]). Columns as the kernels
-    read them: items (row, first query, KV token range lo / hi, split or -1, first partial
-    row); merge entries (output token, splits, first partial row, partial stride 1).
+    int64 [1]; merge entries int64 [4, R * q] with their count int64 [1]). Columns as the
+    kernels read them: items (row, first query, KV token range lo / hi, split or -1, first
+    partial row); merge entries (output token, splits, first partial row, partial stride q).
+    Row r's queries are tokens r * q .. r * q + q - 1 (padding rows included).
     """
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     kv_len = (n_pages - 1) * page_size + last_len.long()
+    tokens = _block_m(q, group, cfg) // group  # query tokens per tile
+    blocks = -(-q // tokens)  # query tiles per row
     if cfg.kv_chunk_pages is not None:
         chunk = torch.full_like(n_pages[:1], cfg.kv_chunk_pages)
     else:  # the host's float64 math.ceil(total * hkv / target)
         target = cfg.waves * num_sms
-        total = n_pages.sum().reshape(1)
+        total = n_pages.sum().reshape(1) * blocks
         chunk = torch.ceil((total * hkv).double() / target).long().clamp_(min=cfg.min_chunk_pages)
     live = n_pages > 0
-    splits = (n_pages + chunk - 1) // chunk if cfg.split_max_q >= 1 else live.long()
+    splits = (n_pages + chunk - 1) // chunk if q <= cfg.split_max_q else live.long()
     splits = torch.where(live, splits.clamp(min=1), 0)
     per = (n_pages + splits - 1) // splits.clamp(min=1)  # pages per chunk, balanced
     splits = torch.where(live, (n_pages + per - 1) // per.clamp(min=1), 0)
     split_rows = splits > 1
-    part_rows = torch.where(split_rows, splits, 0)
+    part_rows = torch.where(split_rows, splits * q, 0)
     part_base = torch.where(split_rows, torch.cumsum(part_rows, 0) - part_rows, 0)
 
-    row, s, count = ragged_fixed(splits, capacity)
+    # items: for each row, for each query tile b, for each chunk s (b-major)
+    row, local, count = ragged_fixed(splits * blocks, capacity)
+    n_split = splits[row].clamp(min=1)
+    s = local % n_split
     is_split = split_rows[row]
     lo = torch.where(is_split, s * per[row] * page_size, 0)
     hi = torch.where(is_split, torch.minimum((s + 1) * per[row] * page_size, kv_len[row]),
                      kv_len[row])  # fmt: skip
-    items = torch.stack([row, torch.zeros_like(row), lo, hi, torch.where(is_split, s, -1),
+    items = torch.stack([row, local // n_split * tokens, lo, hi, torch.where(is_split, s, -1),
                          part_base[row]])  # fmt: skip
 
-    # merge entries: the split rows in row order, compacted
-    rows = torch.arange(n_pages.shape[0], device=n_pages.device)
+    # merge entries: each split row's q tokens, split rows in row order, compacted
+    r = n_pages.shape[0]
+    rows = torch.arange(r, device=n_pages.device)
     order = torch.cumsum(split_rows.long(), 0) - 1
-    dest = torch.where(split_rows, order, n_pages.shape[0])  # others: a dropped column
-    merge = torch.zeros(4, n_pages.shape[0] + 1, dtype=torch.long, device=n_pages.device)
-    merge.index_copy_(1, dest, torch.stack([rows, splits, part_base, torch.ones_like(rows)]))
-    return items, count, merge[:, :-1], split_rows.sum().reshape(1)
+    t = torch.arange(q, device=n_pages.device)
+    dest = torch.where(split_rows[:, None], order[:, None] * q + t, r * q)  # others: dropped
+    entries = torch.stack([rows[:, None] * q + t, splits[:, None].expand(-1, q),
+                           part_base[:, None] + t, torch.full_like(t, q).expand(r, -1)])
+    merge = torch.zeros(4, r * q + 1, dtype=torch.long, device=n_pages.device)
+    merge.index_copy_(1, dest.flatten(), entries.flatten(1))
+    return items, count, merge[:, :-1], split_rows.sum().reshape(1) * q
+
+
+def _block_m(q: int, group: int, cfg: AttentionConfig) -> int:
+    """``paged_attention._block_m`` of one row of q queries."""
+    big = 1 << max(q * group - 1, 0).bit_length()  # next power of two
+    return min(max(big, cfg.block_m_min), cfg.block_m_max)
 
 
 def score_items(kv_indptr: torch.Tensor, page_size: int, block_n: int,

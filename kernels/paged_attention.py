@@ -415,18 +415,20 @@ class FixedPlan:
                self.buffer)
         return True
 
-    def load_decode(self, kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int) -> None:
-        """Write the plan of one-query rows (kv_indptr int [R + 1], last_len int [R]; rows of
-        no page get no work) from the device metadata: no host copy, no sync, capturable. The
-        caller sizes the plan (``decode_capacity``): work past a capacity would be dropped."""
-        bm = int(_block_m(np.ones(1, np.int64), self.group, self.config)[0])
+    def load_decode(self, kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int,
+                    q: int = 1) -> None:
+        """Write the plan of rows of q queries each (kv_indptr int [R + 1], last_len int [R];
+        rows of no page get no work) from the device metadata: no host copy, no sync,
+        capturable. The caller sizes the plan (``for_decode``): work past a capacity would be
+        dropped."""
+        bm = int(_block_m(np.full(1, q, np.int64), self.group, self.config)[0])
         for launch in self.plan.launches:
             if launch.block_m != bm:
                 launch.count.zero_()
                 continue
             items, count, merge, n_merge = decode_attention_items(
                 kv_indptr, last_len, page_size, self.group, self.hkv, self.config,
-                _num_sms(self.device), launch.capacity)
+                _num_sms(self.device), launch.capacity, q)
             launch.work.copy_(items)
             launch.count.copy_(count)
             self.plan.merge.work[:, : merge.shape[1]].copy_(merge)
@@ -435,18 +437,21 @@ class FixedPlan:
     @classmethod
     def for_decode(cls, rows: int, max_pages: int, num_q_heads: int, hkv: int, head_dim: int,
                    device: torch.device, config: AttentionConfig = DEFAULT_CONFIG,
-                   share: FixedPlan | None = None) -> FixedPlan:  # fmt: skip
-        """A plan for ``load_decode``: rows of one query listing at most ``max_pages`` pages
-        in all. Items: at most spread + rows (automatic chunks), or max_pages / chunk + rows
-        (fixed chunks); every item may be a partial row."""
+                   share: FixedPlan | None = None, q: int = 1) -> FixedPlan:  # fmt: skip
+        """A plan for ``load_decode``: rows of q queries listing at most ``max_pages`` pages
+        in all, cut into ``blocks`` query tiles each. Items: at most spread + rows * blocks
+        (automatic chunks), or (max_pages / chunk + rows) * blocks (fixed chunks); each split
+        item holds q partial rows at most."""
         group = num_q_heads // hkv
         cfg = _config_for(config, group)
+        bm = int(_block_m(np.full(1, q, np.int64), group, cfg)[0])
+        blocks = -(-q // (bm // group))
         if cfg.kv_chunk_pages is not None:
-            items = -(-max_pages // cfg.kv_chunk_pages) + rows
+            items = (-(-max_pages // cfg.kv_chunk_pages) + rows) * blocks
         else:
-            items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows
-        return cls(group, hkv, num_q_heads, head_dim, block_ms_for(1, group, cfg), items, rows,
-                   items, device, config, share)
+            items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows * blocks
+        return cls(group, hkv, num_q_heads, head_dim, [bm], items, rows * q, items * q,
+                   device, config, share)
 
 
 def block_ms_for(max_q: int, group: int, config: AttentionConfig = DEFAULT_CONFIG) -> list[int]:

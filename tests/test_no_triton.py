@@ -30,7 +30,8 @@ assert importlib.util.find_spec("triton") is None, "the triton blocker is not ac
 import aspire_ray
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.cli import main
-from aspire_ray.serving.app import build_app, build_server
+from aspire_ray.serving.app import build_server
+from aspire_ray.serving.deployment import build_app
 from aspire_ray.serving.settings import AppArgs
 
 engine = dict(model="dummy", load_format="dummy", hf_overrides=json.loads(sys.argv[1]),

@@ -33,14 +33,29 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from aspire_ray.config import EngineConfig
+from aspire_ray.executor import Executor
 from aspire_ray.model.loader import cache_root
 from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, StepOutput, StepPlan
-from aspire_ray.spec.cost_model import CostCoefficients
+from aspire_ray.spec.cost_model import CostCoefficients, CostModel
+from aspire_ray.spec.draft_policy import DraftPolicy
 
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+from .block_manager import BlockManager
+
+
+class CalibratedEngine(Protocol):
+    """What calibration reads of the engine it calibrates (``engine.LLMEngine`` is one): it
+    runs steps through the executor on pages of the pool and fits the cost model."""
+
+    cfg: EngineConfig
+    info: dict
+    executor: Executor
+    blocks: BlockManager
+    policy: DraftPolicy
+    cost_model: CostModel
+    max_model_len: int
 
 # 2: samples are whole worker steps (timings["total"]), not the forward;
 # 3: a draft row's kv_tokens include its refresh-layer full-list read (KVReads)
@@ -80,7 +95,7 @@ class CalibrationResult:
     samples: list[tuple[float, float, float]] = field(repr=False, default_factory=list)
 
 
-def deployment_key(engine: LLMEngine) -> dict:
+def deployment_key(engine: CalibratedEngine) -> dict:
     """What the coefficients depend on (DESIGN.md §1.5: model, GPU, TP degree, dtype, page size,
     plus the sparse budget that sets draft rows' KV reads)."""
     cfg = engine.cfg
@@ -107,15 +122,16 @@ def cache_path(key: dict) -> Path:
     return cache_root() / "calibration" / f"{name}-tp{key['tp_size']}-{digest}.json"
 
 
-def calibrate(engine: LLMEngine, mode: str | None = None,
+def calibrate(engine: CalibratedEngine, mode: str | None = None,
               sweep: Sweep | None = None) -> CalibrationResult | None:
     """Load or measure the cost model of this deployment into ``engine.cost_model``.
 
-    mode: "auto" (cache, else sweep; only in spec mode "aspire", the one whose schedule reads
-    the cost model), "force" (sweep in any mode, overwrite the cache), "off" (nothing).
+    mode: "auto" (cache, else sweep; only in a spec mode whose schedule reads the cost model,
+    ``ModeSpec.reads_cost_model``: aspire), "force" (sweep in any mode, overwrite the cache),
+    "off" (nothing).
     """
     mode = mode or engine.cfg.calibrate
-    if mode == "off" or (mode == "auto" and engine.cfg.spec.mode != "aspire"):
+    if mode == "off" or (mode == "auto" and not engine.cfg.spec.mode_spec.reads_cost_model):
         return None
     t0 = time.perf_counter()
     key = deployment_key(engine)
@@ -136,7 +152,7 @@ def calibrate(engine: LLMEngine, mode: str | None = None,
                              engine.cost_model.coef, samples)
 
 
-def _feed(engine: LLMEngine, samples: list) -> bool:
+def _feed(engine: CalibratedEngine, samples: list) -> bool:
     """Seed the online window with the samples; their fit becomes the prior. False if the fit
     was refused (the prior stays the built-in one)."""
     model = engine.cost_model
@@ -176,7 +192,7 @@ class SweepRunner:
     ``decode_plan``).
     """
 
-    def __init__(self, engine: LLMEngine, sweep: Sweep) -> None:
+    def __init__(self, engine: CalibratedEngine, sweep: Sweep) -> None:
         self.engine = engine
         self.sweep = sweep
         self.executor = engine.executor

@@ -40,11 +40,3 @@ class LocalExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.execute(plan)
-
-
-def make_executor(cfg: EngineConfig) -> Executor:
-    if cfg.tp_size == 1:
-        return LocalExecutor(cfg)
-    from .ray_executor import RayExecutor
-
-    return RayExecutor(cfg)

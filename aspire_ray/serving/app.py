@@ -1,12 +1,12 @@
-"""The HTTP face of a replica: a FastAPI app over one ``AsyncLLMEngine``, and the Serve builder.
+"""The HTTP face of a replica: a FastAPI app over one ``AsyncLLMEngine``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /health`` (503 once the engine has failed), ``GET /metrics``
 (Prometheus text). Every error is an OpenAI error body; with ``server.api_key`` set, every
 endpoint but /health needs ``Authorization: Bearer <key>``; the caps of ``limits.py`` apply.
 
-``serve run serve_configs/local.yaml`` calls ``build_app(args)``; ``create_app`` is the same app
-without Ray (tests, ``aspire-ray serve``).
+``serve run serve_configs/local.yaml`` calls ``deployment.build_app(args)``, whose replicas
+serve this app; ``create_app`` is the same app without Ray (tests).
 """
 
 from __future__ import annotations
@@ -205,33 +205,3 @@ def build_server(args: AppArgs) -> tuple[FastAPI, AsyncLLMEngine]:
     metrics = ServingMetrics(args.served_name, args.engine.spec_mode)
     engine = AsyncLLMEngine(LLMEngine(args.engine.to_engine_config()), metrics)
     return create_app(engine, args, metrics), engine
-
-
-def build_app(args: dict):
-    """Serve application builder (``import_path: aspire_ray.serving.app:build_app``).
-
-    ``args`` is validated here, before any replica starts, so a bad config fails ``serve run``
-    with an error naming the field.
-    """
-    from .deployment import bind
-
-    parsed = AppArgs.model_validate(args or {})
-    check_model_exists(parsed)
-    return bind(parsed)
-
-
-def check_model_exists(args: AppArgs) -> None:
-    """Fail fast (before Ray starts a replica) when engine.model cannot be found."""
-    from pathlib import Path
-
-    from aspire_ray.model import loader
-
-    if args.engine.load_format == "dummy":
-        return
-    try:
-        path = Path(loader.resolve_alias(args.engine.model)).expanduser()
-    except FileNotFoundError as exc:
-        raise ValueError(f"engine.model: {exc}") from None
-    if not path.exists():
-        raise ValueError(f"engine.model: {args.engine.model!r} is neither a known alias nor an "
-                         f"existing file or directory")

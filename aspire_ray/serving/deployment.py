@@ -1,4 +1,7 @@
-"""The Ray Serve deployment: one replica = one engine driver + its FastAPI ingress.
+"""The Ray Serve application: one replica = one engine driver + its FastAPI ingress.
+
+``build_app`` is what ``serve run`` calls
+(``import_path: aspire_ray.serving.deployment:build_app``).
 
 The replica builds the engine in its constructor (a tp > 1 engine starts its shard workers in
 the replica's placement group, see ``DeploymentArgs.options``), serves the app from
@@ -7,6 +10,8 @@ replaces the replica.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from ray import serve
 
@@ -39,3 +44,29 @@ def bind(args: AppArgs):
     options = args.deployment.options(args.engine)
     deployment = serve.deployment(AspireServer).options(**options)
     return deployment.bind(args.model_dump(mode="json"))
+
+
+def build_app(args: dict):
+    """Serve application builder (``import_path: aspire_ray.serving.deployment:build_app``).
+
+    ``args`` is validated here, before any replica starts, so a bad config fails ``serve run``
+    with an error naming the field.
+    """
+    parsed = AppArgs.model_validate(args or {})
+    check_model_exists(parsed)
+    return bind(parsed)
+
+
+def check_model_exists(args: AppArgs) -> None:
+    """Fail fast (before Ray starts a replica) when engine.model cannot be found."""
+    from aspire_ray.model import loader
+
+    if args.engine.load_format == "dummy":
+        return
+    try:
+        path = Path(loader.resolve_alias(args.engine.model)).expanduser()
+    except FileNotFoundError as exc:
+        raise ValueError(f"engine.model: {exc}") from None
+    if not path.exists():
+        raise ValueError(f"engine.model: {args.engine.model!r} is neither a known alias nor an "
+                         f"existing file or directory")

@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from aspire_ray.config import EngineConfig
+from aspire_ray.config import SPEC_MODES, EngineConfig
 from aspire_ray.llm import build_engine_config
 from aspire_ray.sampling_params import MAX_STOP_STRINGS
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 PGStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-SpecMode = Literal["ar", "magicdec", "specattn", "aspire_fixed", "aspire_fsm", "aspire"]
+SpecMode = Literal[SPEC_MODES]  # config.MODES' names: a typo fails with the list
 
 
 class EngineArgs(BaseModel):
@@ -125,7 +125,7 @@ class DeploymentArgs(BaseModel):
 
 
 class AppArgs(BaseModel):
-    """``args:`` of the Serve application (``aspire_ray.serving.app:build_app``)."""
+    """``args:`` of the Serve application (``aspire_ray.serving.deployment:build_app``)."""
 
     model_config = _STRICT
 

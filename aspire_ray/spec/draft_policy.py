@@ -64,17 +64,20 @@ class DraftPolicy:
         return (sum(r.num_tokens for r in rows), sum(self.row_kv_tokens(r) for r in rows))
 
     def target(self, req: Request, batch: int) -> int:
-        """The draft length this request aims for before verifying."""
-        mode = self.cfg.mode
-        if mode in ("magicdec", "specattn", "aspire_fixed"):
+        """The draft length this request aims for before verifying (the mode's gamma rule,
+        ``config.MODES``); ``decide`` clamps it to ``max_drafts``."""
+        rule = self.cfg.mode_spec.gamma_rule
+        if rule == "none":
+            return 0
+        if rule == "fixed":
             return self.cfg.gamma
-        if mode == "aspire_fsm":
+        if rule == "fsm":
             return req.fsm_gamma
-        # aspire: cost-model optimum, at least gamma_init before the first verification
+        # cost_model: the optimum, at least gamma_init before the first verification
         ctx = req.num_tokens + len(req.drafts)
         draft_kv = self.kv_reads.draft(self.sparse_tokens(ctx), ctx)
         c = self.cost_model.draft_verify_ratio(batch, draft_kv, len(req.drafts), ctx)
-        gamma = optimal_gamma(req.alpha, c, self.cfg.d_max)
+        gamma = optimal_gamma(req.alpha, c, self.cfg.max_drafts)
         if not req.verified_once:
             gamma = max(gamma, self.cfg.gamma_init)
         if gamma == 0 and req.plain_verifies >= self.cfg.probe_every:
@@ -83,11 +86,11 @@ class DraftPolicy:
 
     def decide(self, reqs: list[Request], caps: list[int]) -> list[Action]:
         """reqs: decoding requests; caps[i]: most drafts request i may still hold (stop limits)."""
-        if self.cfg.mode == "ar":
+        if not self.cfg.speculative:
             return [Action.VERIFY] * len(reqs)
         batch = len(reqs)
-        targets = [min(self.target(r, batch), self.cfg.d_max, cap) for r, cap in zip(reqs, caps,
-                                                                                       strict=True)]
+        targets = [min(self.target(r, batch), self.cfg.max_drafts, cap)
+                   for r, cap in zip(reqs, caps, strict=True)]  # fmt: skip
         if self.cfg.synchronized:
             if all(len(r.drafts) >= t for r, t in zip(reqs, targets, strict=True)):
                 return [Action.VERIFY] * batch
@@ -106,7 +109,7 @@ class DraftPolicy:
         if not (self.cfg.synchronized and self.cfg.draft_chains) or Action.VERIFY in actions:
             return 1, False
         batch = len(reqs)
-        left = [min(self.target(r, batch), self.cfg.d_max, cap) - len(r.drafts)
+        left = [min(self.target(r, batch), self.cfg.max_drafts, cap) - len(r.drafts)
                 for r, cap, a in zip(reqs, caps, actions, strict=True) if a == Action.DRAFT]
         if not left:
             return 1, False

@@ -36,9 +36,7 @@ class PageSelector:
 
     def budgets(self, num_pages: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """``budget`` of every entry of int64 [R] (the same float64 arithmetic)."""
-        if isinstance(num_pages, torch.Tensor):
-            return torch.ceil(self.cfg.rho * num_pages.double()).long().clamp(min=self.cfg.k_min)
-        return np.maximum(self.cfg.k_min, np.ceil(self.cfg.rho * num_pages).astype(np.int64))
+        return self.cfg.sparse_budgets(num_pages)
 
     def layout(self, num_pages):
         """int64 [R] page counts (numpy or torch) -> (head_end, n_top, tail_start), each int64
@@ -125,10 +123,25 @@ def _namespace(x):
     return torch if isinstance(x, torch.Tensor) else np
 
 
+# ``ModeSpec.page_policy`` -> its class: a new policy is one class registered here and the
+# ``config.MODES`` row that names it.
+PAGE_POLICIES: dict[str, type[PageSelector]] = {
+    "window": StreamingWindow,
+    "topk": TopKPages,
+}
+
+
 def make_selector(cfg: SpecConfig) -> PageSelector | None:
-    """The policy of a spec mode (DESIGN.md §1.6); None for plain autoregressive decoding."""
-    if cfg.mode == "ar":
+    """The draft page policy of a spec mode (``config.MODES``); None for a mode without
+    drafts (plain autoregressive decoding)."""
+    spec = cfg.mode_spec
+    if spec.page_policy == "none":
         return None
-    if cfg.mode == "magicdec":
-        return StreamingWindow(cfg)
-    return TopKPages(cfg)
+    if spec.page_policy not in PAGE_POLICIES:
+        raise ValueError(f"page_policy must be one of {tuple(PAGE_POLICIES)} or 'none', "
+                         f"got {spec.page_policy!r} (spec mode {cfg.mode!r})")
+    policy = PAGE_POLICIES[spec.page_policy]
+    if spec.refresh_while_drafting and not policy.uses_scores:
+        raise ValueError(f"spec mode {cfg.mode!r} refreshes page scores while drafting, but "
+                         f"its page policy {spec.page_policy!r} reads no scores")
+    return policy(cfg)

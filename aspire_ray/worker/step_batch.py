@@ -16,21 +16,39 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from aspire_ray.attention import AttentionBackend
+from aspire_ray.config import EngineConfig
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.host import offsets, ragged_arange, upload
 from aspire_ray.plan import RowKind, RowPlan
+from aspire_ray.tp import TPGroup
 
-from .draft_pages import choose_top_pages
-from .page_table import ragged_rows
+from .draft_pages import PageScoreTable, choose_top_pages
+from .page_selector import PageSelector
+from .page_table import PageTable, ragged_rows
 from .step_attention import ScoringQueries, StepAttention
 
-if TYPE_CHECKING:
-    from .worker import Worker
+
+class StepContext(Protocol):
+    """What a step's planning reads of its shard (the Worker is one): the tables it gathers
+    from, the page policy, the attention backend. ``requests`` maps request ids to objects with
+    ``slot`` and ``scored_pages``; planning sets ``scored_pages`` of the rows it scores."""
+
+    cfg: EngineConfig
+    device: torch.device
+    page_size: int
+    page_table: PageTable
+    scores: PageScoreTable | None
+    selector: PageSelector | None
+    backend: AttentionBackend
+    tp: TPGroup
+    refresh_layer: int
+    requests: dict[str, Any]
 
 _VERIFY, _DRAFT, _PREFILL = int(RowKind.VERIFY), int(RowKind.DRAFT), int(RowKind.PREFILL)
 
@@ -94,7 +112,7 @@ class StepBatch:
     s of a draft chain plans its rows with shift s).
     """
 
-    def __init__(self, worker: Worker, rows: list[RowPlan],
+    def __init__(self, worker: StepContext, rows: list[RowPlan],
                  graph_inputs: torch.Tensor | None = None,
                  device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
                  shift: int = 0) -> None:  # fmt: skip

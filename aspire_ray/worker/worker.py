@@ -97,9 +97,9 @@ class Worker:
 
     @property
     def max_q(self) -> int:
-        """Most queries of a decode row: a verification of the longest draft, plus one."""
-        spec = self.cfg.spec
-        return max(spec.d_max, spec.gamma, spec.fsm_max) + 1 if spec.speculative else 1
+        """Most queries of a decode row: a verification of the most drafts a request may hold
+        (``SpecConfig.max_drafts``), plus one."""
+        return self.cfg.spec.max_drafts + 1
 
     def _step_graphs(self) -> StepGraphs | None:
         """Whole-step graphs of decode steps beside the piecewise ones; a page-scoring policy's

@@ -18,10 +18,10 @@ CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0),
            AttentionConfig(kv_chunk_pages=3)]  # fmt: skip
 
 
-def _meta(pages: list[int], lasts: list[int]) -> PagedKVMeta:
-    """One-query rows; rows of 0 pages are padding (they exist on the device only)."""
+def _meta(pages: list[int], lasts: list[int], q: int = 1) -> PagedKVMeta:
+    """Rows of q queries; rows of 0 pages are padding (they exist on the device only)."""
     live = [p for p in pages if p]
-    meta = PagedKVMeta.build([1] * len(live), [list(range(p)) for p in live],
+    meta = PagedKVMeta.build([q] * len(live), [list(range(p)) for p in live],
                              [(p - 1) * PS + la for p, la in zip(live, lasts, strict=False)],
                              PS)  # fmt: skip
     return meta
@@ -36,10 +36,12 @@ def test_ragged_fixed():
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
 @pytest.mark.parametrize("pages", [[1, 40, 3, 200], [65, 64, 1], [300], [5, 9, 2, 33, 70, 1]])
-def test_attention_items_equal_the_host_plan(cfg, pages):
+@pytest.mark.parametrize("q", [1, 6, 20])  # decode rows; verify rows; two query tiles a row
+def test_attention_items_equal_the_host_plan(cfg, pages, q):
+    pages = [max(p, -(-q // PS) + 1) for p in pages] if q > 1 else pages  # KV >= its queries
     rng = np.random.default_rng(len(pages))
     lasts = rng.integers(1, PS + 1, len(pages)).tolist()
-    meta = _meta(pages, lasts)
+    meta = _meta(pages, lasts, q)
     group, hkv = 4, 2
     host = _host_plan(meta, group, hkv, cfg, torch.device("cpu"))
     (items_host,) = host.items.values()
@@ -48,11 +50,12 @@ def test_attention_items_equal_the_host_plan(cfg, pages):
     last = torch.tensor(lasts + [1, 1])
     cap = items_host.shape[1] + 5
     items, count, merge, n_merge = decode_attention_items(indptr, last, PS, group, hkv, cfg,
-                                                          _num_sms(torch.device("cpu")), cap)
+                                                          _num_sms(torch.device("cpu")), cap, q)
     assert count.item() == items_host.shape[1]
     assert np.array_equal(items[:, : count.item()].numpy(), items_host)
     assert n_merge.item() == host.merge.shape[1]
     assert np.array_equal(merge[:, : n_merge.item()].numpy(), host.merge)
+    assert host.part_rows <= (items_host[4] >= 0).sum() * q  # the fixed plans' bound
 
 
 def test_score_items_equal_the_host_work():
@@ -65,21 +68,24 @@ def test_score_items_equal_the_host_work():
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
-def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg):
+@pytest.mark.parametrize("n_q", [1, 3])  # decode rows; verify rows (gamma 2)
+def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg, n_q):
     heads = (8, 2, 64)
-    q, kv, meta = paged_case([1, 1, 1], [700, 33, 260], heads, torch.float32, "cpu", PS, True, 3)
+    q, kv, meta = paged_case([n_q] * 3, [700, 33, 260], heads, torch.float32, "cpu", PS, True, 3)
     expected, lse_expected = paged_attention(q, kv, meta, 0.125, return_lse=True, config=cfg)
     rows = meta.num_rows + 1  # and one padding row
     plan = FixedPlan.for_decode(rows, kv.shape[0], heads[0], heads[1], heads[2],
-                                torch.device("cpu"), cfg)  # fmt: skip
+                                torch.device("cpu"), cfg, q=n_q)  # fmt: skip
     indptr = torch.cat([meta.kv_indptr, meta.kv_indptr[-1:]])
     last = torch.cat([meta.kv_last_page_len, torch.ones(1, dtype=torch.int32)])
-    plan.load_decode(indptr, last, PS)
-    fixed = PagedKVMeta(torch.arange(rows + 1, dtype=torch.int32), indptr.int(), meta.kv_indices,
-                        last.int(), PS, fixed_plan=plan)  # fmt: skip
-    q_pad = torch.cat([q, torch.zeros_like(q[:1])])
+    plan.load_decode(indptr, last, PS, n_q)
+    qo = torch.arange(rows + 1, dtype=torch.int32) * n_q
+    fixed = PagedKVMeta(qo, indptr.int(), meta.kv_indices, last.int(), PS, fixed_plan=plan)
+    q_pad = torch.cat([q, torch.zeros_like(q[:n_q])])
     out, lse = paged_attention(q_pad, kv, fixed, 0.125, return_lse=True, config=cfg)
-    assert torch.equal(out[:-1], expected) and torch.equal(lse[:-1], lse_expected)
+    assert torch.equal(out[:-n_q], expected) and torch.equal(lse[:-n_q], lse_expected)
+    if n_q > 1:
+        return  # page scores are a draft row's (one query)
     work = score_items(fixed.kv_indptr, PS, BLOCK_N, 64)
     scores = token_max_probs(q_pad, lse, kv, fixed, 0.125, work=(work[0].int(), work[1].int()))
     nnz = meta.kv_indices.shape[0]

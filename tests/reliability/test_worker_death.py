@@ -36,7 +36,7 @@ def base_url(tiny_chat_model):
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from aspire_ray.serving.app import build_app
+    from aspire_ray.serving.deployment import build_app
 
     args = {
         "engine": {"model": tiny_chat_model, "spec_mode": "aspire", "tp_size": 2,

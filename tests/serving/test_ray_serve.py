@@ -16,7 +16,7 @@ def test_serve_run_local_config(tiny_chat_model):
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from aspire_ray.serving.app import build_app
+    from aspire_ray.serving.deployment import build_app
 
     args = config_args("local", model=tiny_chat_model, calibrate="off", num_pages=64)
     args["server"].update(served_model_name="tiny", cpu_threads=1)
@@ -55,7 +55,7 @@ def test_two_replicas_both_take_traffic(tiny_chat_model):
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from aspire_ray.serving.app import build_app
+    from aspire_ray.serving.deployment import build_app
 
     args = config_args("local", model=tiny_chat_model, calibrate="off", num_pages=64)
     args["server"].update(served_model_name="tiny", cpu_threads=1)

