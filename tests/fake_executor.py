@@ -63,13 +63,33 @@ class FakeExecutor(Executor):
             del bt[row.pages_keep :]
             bt.extend(row.pages_new)
             assert math.ceil(row.context_len / self.cfg.cache.page_size) <= len(bt)
-            if row.kind == RowKind.VERIFY:
+            if row.kind == RowKind.VERIFY and row.num_steps > 1:  # an ar decode chain
+                results.append(RowResult(row.req_id, row.kind, [0] * row.num_steps))
+            elif row.kind == RowKind.VERIFY:
                 assert row.num_tokens == row.num_drafts + 1
-                a = row.num_drafts if self.accept else 0
-                results.append(RowResult(row.req_id, row.kind, [0] * (a + 1), a))
-            elif row.kind == RowKind.DRAFT or row.sample:
+                results.append(self._verify(row))
+            elif row.kind == RowKind.DRAFT:  # a chain's drafts; its rounds' verifications
+                results.append(self._draft(row))
+            elif row.sample:
                 results.append(RowResult(row.req_id, row.kind, [0]))
             else:
                 results.append(RowResult(row.req_id, row.kind, []))
         seconds = self.seconds(*self.policy.step_features(plan.rows))
         return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+
+    def _verify(self, row) -> RowResult:
+        a = row.num_drafts if self.accept else 0
+        return RowResult(row.req_id, RowKind.VERIFY, [0] * (a + 1), a)
+
+    def _draft(self, row) -> RowResult:
+        """num_steps drafts; with verify_after each of num_rounds rounds verified too."""
+        rounds = []
+        for _ in range(row.num_rounds if row.verify_after is not None else 1):
+            res = RowResult(row.req_id, row.kind, [0] * row.num_steps)
+            if row.verify_after is not None:
+                res.verified = self._verify(row.verify_row(res.tokens))
+                if row.num_rounds > 1:
+                    row = row.next_round(res.verified.tokens)
+            rounds.append(res)
+        rounds[0].rounds = rounds[1:]
+        return rounds[0]

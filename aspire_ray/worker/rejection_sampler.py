@@ -73,51 +73,43 @@ class SampledVerify(NamedTuple):
 
 def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
                          draft_probs: torch.Tensor | None) -> list[tuple[int, list[int]]]:
-    """``verify_sampled`` of many rows at once (the same draws), with three device syncs in
-    all instead of two per row.
+    """``verify_sampled`` of many rows at once (the same draws), computed on the device with
+    one sync in all: the accepted counts, then each row's final draw, from the residual at its
+    first rejection (stream RESIDUAL) or from its last target distribution (stream TARGET).
 
     target_probs: [N, V] the step's sampling distributions, one per logit row.
     draft_probs:  [sum d, V] every row's draft distributions q, in row order (None: no drafts).
     """
     device = target_probs.device
+    lens = [len(row.drafts) for row in rows]
     first = [0]  # row i's drafts are entries first[i] .. first[i+1]-1 of the flat draft axis
-    for row in rows:
-        first.append(first[-1] + len(row.drafts))
-    accepted = [len(row.drafts) for row in rows]
+    for n in lens:
+        first.append(first[-1] + n)
+    d = i64(lens, device)
+    logit = i64([row.logit_row for row in rows], device)
+    seeds = i64([row.seed for row in rows], device)
+    pos0 = i64([row.pos0 for row in rows], device)
+    accepted = d.clone()
     if first[-1]:
-        flat = [(i, jj) for i, row in enumerate(rows) for jj in range(len(row.drafts))]
+        of = i64([i for i, n in enumerate(lens) for _ in range(n)], device)  # [D] its row
+        j = torch.arange(first[-1], device=device) - i64(first[:-1], device)[of]
         token = i64([t for row in rows for t in row.drafts], device)
-        p = target_probs[i64([rows[i].logit_row + jj for i, jj in flat], device), token].double()
+        p = target_probs[logit[of] + j, token].double()
         q = draft_probs[torch.arange(first[-1], device=device), token].double()
-        u = uniform(i64([rows[i].seed for i, _ in flat], device),
-                    i64([rows[i].pos0 + jj for i, jj in flat], device), Stream.ACCEPT, 1)[:, 0]
-        # accept d_j with probability min(1, p/q)  <=>  u * q <= p
-        rejected = (u * q > p).tolist()
-        for i, row in enumerate(rows):
-            accepted[i] = next((jj for jj in range(len(row.drafts))
-                                if rejected[first[i] + jj]), len(row.drafts))
-    final: dict[int, int] = {}
-    # rows with a rejection: resample from the residual max(p - q, 0), normalised
-    res = [i for i, row in enumerate(rows) if accepted[i] < len(row.drafts)]
-    if res:
-        p_at = target_probs[i64([rows[i].logit_row + accepted[i] for i in res], device)]
-        q_at = draft_probs[i64([first[i] + accepted[i] for i in res], device)]
+        u = uniform(seeds[of], pos0[of] + j, Stream.ACCEPT, 1)[:, 0]
+        # accept d_j with probability min(1, p/q)  <=>  u * q <= p; a row stops at its first
+        rejected_at = torch.where(u * q > p, j, d[of])
+        accepted = accepted.scatter_reduce(0, of, rejected_at, reduce="amin")
+    residual_rows = accepted < d
+    p_at = target_probs[logit + accepted]  # [R, V]: p_a, where the row's draw comes from
+    dist = p_at.double()
+    if first[-1]:  # rows with a rejection: the residual max(p - q, 0), normalised
+        q_at = draft_probs[(i64(first[:-1], device) + accepted).clamp(max=first[-1] - 1)]
         residual = (p_at - q_at).clamp_min(0).double()
         total = residual.sum(dim=-1, keepdim=True)
-        dist = torch.where(total > 0, residual / total.clamp_min(1e-300), p_at.double())
-        final.update(zip(res, _draw(dist, rows, res, accepted, Stream.RESIDUAL), strict=True))
-    # rows whose drafts all passed: the target's own token from p_d
-    full = [i for i, row in enumerate(rows) if accepted[i] == len(row.drafts)]
-    if full:
-        p_end = target_probs[i64([rows[i].logit_row + accepted[i] for i in full], device)]
-        final.update(zip(full, _draw(p_end, rows, full, accepted, Stream.TARGET), strict=True))
-    return [(accepted[i], row.drafts[: accepted[i]] + [final[i]]) for i, row in enumerate(rows)]
-
-
-def _draw(dist: torch.Tensor, rows: list[SampledVerify], which: list[int], accepted: list[int],
-          stream: Stream) -> list[int]:
-    """One token per listed row from dist [len(which), V], at position pos0 + accepted."""
-    device = dist.device
-    seeds = i64([rows[i].seed for i in which], device)
-    positions = i64([rows[i].pos0 + accepted[i] for i in which], device)
-    return sample_from_probs(dist, seeds, positions, stream).tolist()
+        dist_res = torch.where(total > 0, residual / total.clamp_min(1e-300), dist)
+        dist = torch.where(residual_rows[:, None], dist_res, dist)
+    stream = torch.where(residual_rows, int(Stream.RESIDUAL), int(Stream.TARGET))
+    final = sample_from_probs(dist, seeds, pos0 + accepted, stream)
+    counts, tokens = torch.stack([accepted, final]).tolist()  # the one device sync
+    return [(a, row.drafts[:a] + [t]) for a, t, row in zip(counts, tokens, rows, strict=True)]

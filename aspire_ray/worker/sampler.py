@@ -28,8 +28,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """One 32-bit key per row from (seed [N] int64, position [N] int64, stream)."""
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor,
+             stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One 32-bit key per row from (seed [N] int64, position [N] int64, stream: one for all
+    rows or int64 [N])."""
     lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
     k = _mix32(lo ^ 0x2545F491)
     k = _mix32(k ^ hi)
@@ -37,9 +39,10 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     return _mix32(k ^ (stream * 0x9E3779B1 & _MASK32))
 
 
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor,
+            n: int) -> torch.Tensor:  # fmt: skip
     """Uniforms in (0, 1), float64 [N, n]; entry (i, v) depends only on
-    (seed_i, pos_i, stream, v)."""
+    (seed_i, pos_i, stream (stream_i if a tensor), v)."""
     keys = row_keys(seeds, positions, stream)[:, None]
     v = torch.arange(n, device=seeds.device, dtype=torch.int64)[None, :]
     a = _mix32(keys ^ _mix32(v * 2 + 1))
@@ -49,7 +52,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                      stream: int) -> torch.Tensor:
+                      stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
     """probs [N, V] (rows sum to 1) -> token ids [N] int64, by the exponential race."""
     expo = -torch.log(uniform(seeds, positions, stream, probs.shape[1]))
     return torch.argmax(probs.double() / expo, dim=-1)
