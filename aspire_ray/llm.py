@@ -5,27 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from .config import build_engine_config
 from .engine.engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-
-_SPEC_KEYS = {f for f in SpecConfig.__dataclass_fields__ if f != "mode"}
-_CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
-_SCHED_KEYS = set(SchedulerConfig.__dataclass_fields__)
-
-
-def build_engine_config(model: str = "smollm2-135m-instruct", *, spec_mode: str = "ar",
-                        **kwargs) -> EngineConfig:
-    """Flat keyword arguments (as users pass them) -> the composed EngineConfig."""
-    spec = {k: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_KEYS}
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
-    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-    return EngineConfig(model=model, spec=SpecConfig(mode=spec_mode, **spec),
-                        cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
 
 
 class LLM:

@@ -1,9 +1,13 @@
 """No import circles in the package (issue 19): every ``import`` statement counts, inside
-functions and under ``TYPE_CHECKING`` too, since each is a dependency a reader must follow."""
+functions and under ``TYPE_CHECKING`` too, since each is a dependency a reader must follow.
+And a light package face: validating a serve config or importing the kernels does not load the
+engine (nor, for the config, torch)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import aspire_ray
@@ -83,3 +87,21 @@ def test_no_import_circles():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert graph["aspire_ray.engine.engine"] >= {"aspire_ray.engine.scheduler"}
     assert _cycles(graph) == []
+
+
+LIGHT = """
+import sys
+from aspire_ray.serving.settings import AppArgs
+AppArgs.model_validate({"engine": {"model": "smollm2-135m-instruct", "spec_mode": "magicdec"}})
+assert "torch" not in sys.modules, "validating a serve config imported torch"
+import aspire_ray.kernels, aspire_ray
+heavy = [m for m in ("aspire_ray.engine.engine", "aspire_ray.llm", "aspire_ray.worker.worker",
+                     "transformers") if m in sys.modules]
+assert not heavy, heavy
+"""
+
+
+def test_light_package_face():
+    proc = subprocess.run([sys.executable, "-c", LIGHT], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -199,7 +199,10 @@ class SweepRunner:
         self.blocks = engine.blocks
         self.policy = engine.policy
         self.page_size = engine.cfg.cache.page_size
-        self.d_max = max(sweep.drafts)
+        # verify rows as long as the deployment's own (longer ones would run outside its
+        # whole-step graphs and time another step kind)
+        self.drafts = sorted({min(d, engine.cfg.spec.max_drafts) for d in sweep.drafts})
+        self.d_max = max(self.drafts)
         self._rng = random.Random(0)
         self._step_id = 0
         self._owned: dict[str, list[int]] = {}  # synthetic req id -> pages
@@ -219,7 +222,7 @@ class SweepRunner:
                 for b in batches:
                     for _ in range(self.sweep.draft_steps if self.drafting else 0):
                         samples.append(self._timed(self.draft_plan(ids[:b], ctx)))
-                    for d in self.sweep.drafts:
+                    for d in self.drafts:
                         samples.append(self._timed(self.verify_plan(ids[:b], ctx, d)))
                 self.release()
         finally:

@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from aspire_ray.config import SPEC_MODES, EngineConfig
-from aspire_ray.llm import build_engine_config
+from aspire_ray.config import SPEC_MODES, EngineConfig, build_engine_config
 from aspire_ray.sampling_params import MAX_STOP_STRINGS
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
