@@ -93,6 +93,27 @@ class RowPlan:
                        num_drafts=len(known) - 1 + len(drafts))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the driver learns of its shard workers once, at start-up (``Executor.describe``)."""
+
+    num_pages: int  # KV pages of a shard's pool (with tensor parallelism: every rank's)
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    refresh_layer: int
+    device_name: str
+    # start-up measurements for the cost model's lower bounds (spec/cost_model.py, CostBounds):
+    # a shard's KV bytes per token over all layers; the weight bytes a forward reads (all but
+    # the input embedding, of which a step gathers only its rows); the device memory bandwidth
+    # in bytes/s. None: not measured (the bounds are then off)
+    kv_bytes_per_token: int | None = None
+    weight_bytes: int | None = None
+    memory_bandwidth: float | None = None
+    tp_size: int = 1
+
+
 @dataclass
 class StepPlan:
     step_id: int

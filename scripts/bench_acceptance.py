@@ -73,7 +73,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, spec_mode="ar", num_pages=8)
     prompts = long_context_prompts(llm.tokenizer, args.requests, args.context)
-    n_layers = llm.engine.info["num_layers"]
+    n_layers = llm.engine.info.num_layers
     llm.shutdown()
 
     results = []

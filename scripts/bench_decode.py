@@ -257,7 +257,7 @@ def main() -> None:
             elif mode == modes[0]:  # every mode of a context decodes the same batch
                 batch = largest_batch(llm, ctx, args)
             if args.dummy_shapes:
-                prompts = random_prompts(batch, int(ctx), llm.engine.info["vocab_size"])
+                prompts = random_prompts(batch, int(ctx), llm.engine.info.vocab_size)
             elif ctx == "short":
                 prompts = short_prompts(tok, batch)
             else:
@@ -290,7 +290,7 @@ def main() -> None:
                 ar_ids = s["token_ids"]
             if ar_ids is not None and args.temperature == 0:
                 s["greedy_token_match_vs_ar"] = _match_rate(s["token_ids"], ar_ids)
-            s.update(context=ctx, batch=len(s["token_ids"]), device=info.get("device_name"))
+            s.update(context=ctx, batch=len(s["token_ids"]), device=info.device_name)
             del s["token_ids"]
             report["results"].append(s)
             if mode in traces.modes:

@@ -224,7 +224,7 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     engine = llm.engine
     rec = Recorder(engine.executor)
     engine.executor = rec
-    vocab = engine.info["vocab_size"]
+    vocab = engine.info.vocab_size
     prompts = (
         random_prompts(args.batch, args.context, vocab)
         if args.dummy_shapes

@@ -40,7 +40,7 @@ from aspire_ray.config import SpecConfig
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.executor.base import Executor
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, RowPlan, RowResult, StepOutput, StepPlan
+from aspire_ray.plan import RowKind, RowPlan, RowResult, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.cost_model import CostCoefficients, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
@@ -81,11 +81,11 @@ class TraceExecutor(Executor):
         self.worker_s = 0.0  # simulated worker time
         self.host_s = 0.0  # simulated driver time
 
-    def describe(self) -> dict:
-        return {"num_pages": self.num_pages, "num_layers": self.meta["num_layers"],
-                "vocab_size": self.meta.get("vocab_size", 1 << 20),
-                "max_position_embeddings": self.max_len, "eos_token_ids": [],
-                "refresh_layer": self.meta["num_layers"] - 2, "device_name": "simulated"}
+    def describe(self) -> ShardInfo:
+        return ShardInfo(num_pages=self.num_pages, num_layers=self.meta["num_layers"],
+                         vocab_size=self.meta.get("vocab_size", 1 << 20),
+                         max_position_embeddings=self.max_len, eos_token_ids=(),
+                         refresh_layer=self.meta["num_layers"] - 2, device_name="simulated")
 
     def _draft(self, i: int, o: int) -> int:
         if o >= len(self.tokens[i]):  # a later round of a plan, past the request's end

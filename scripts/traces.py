@@ -180,9 +180,9 @@ class Traces:
 def engine_meta(engine) -> dict:
     """What the simulator needs of the recording engine to rebuild its features."""
     spec = engine.cfg.spec
-    return {"num_layers": engine.info["num_layers"], "page_size": engine.cfg.cache.page_size,
-            "vocab_size": engine.info["vocab_size"], "model": engine.cfg.model,
-            "device": engine.info.get("device_name"),
+    return {"num_layers": engine.info.num_layers, "page_size": engine.cfg.cache.page_size,
+            "vocab_size": engine.info.vocab_size, "model": engine.cfg.model,
+            "device": engine.info.device_name,
             "spec": {"k_min": spec.k_min, "rho": spec.rho, "recent_pages": spec.recent_pages,
                      "keep_sink_page": spec.keep_sink_page, "d_max": spec.d_max}}  # fmt: skip
 

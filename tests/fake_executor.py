@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from aspire_ray.executor.base import Executor
-from aspire_ray.plan import RowKind, RowResult, StepOutput, StepPlan
+from aspire_ray.plan import RowKind, RowResult, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.draft_policy import DraftPolicy
 
 TRUE = (2e-3, 5e-5, 3e-7)  # b_model, b_tok, b_kv the fake device "measures" by default
@@ -37,17 +37,17 @@ class FakeExecutor(Executor):
         self.tables: dict[str, list[int]] = {}
         self.calls = 0
 
-    def describe(self) -> dict:
-        return {
+    def describe(self) -> ShardInfo:
+        return ShardInfo(**{
             "num_pages": 600,
             "num_layers": self.num_layers,
             "vocab_size": 256,
             "max_position_embeddings": 4096,
-            "eos_token_ids": [],
+            "eos_token_ids": (),
             "refresh_layer": 2,
             "device_name": self.device_name,
             **self.info,
-        }
+        })  # fmt: skip
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.calls += 1

@@ -228,9 +228,9 @@ def test_cpu_worker_describes_its_bytes_and_measures_no_bandwidth(tiny_model_dir
     engine = LLMEngine(cfg)
     info = engine.info
     # tiny llama: 4 layers x (K, V) x 2 kv heads x head_dim 16 x fp32
-    assert info["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4
+    assert info.kv_bytes_per_token == 4 * 2 * 2 * 16 * 4
     # every weight but the input embedding (256 x 64 fp32), which a step gathers rows of
     params = sum(p.numel() for p in engine.executor.worker.model.parameters())
-    assert info["weight_bytes"] == 4 * (params - 256 * 64)
-    assert info["memory_bandwidth"] is None
+    assert info.weight_bytes == 4 * (params - 256 * 64)
+    assert info.memory_bandwidth is None
     assert engine.cost_model.bounds == CostBounds()

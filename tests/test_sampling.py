@@ -209,7 +209,7 @@ def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir):
     (which would keep every row of the step alive until the draft is verified)."""
     engine = _engine(tiny_model_dir("llama"), "aspire")
     worker = engine.executor.worker
-    vocab = engine.info["vocab_size"]
+    vocab = engine.info.vocab_size
     prompts = random_prompts(4, [20, 60], 256, seed=3)
     largest, mixed = 0, 0
     execute = worker.execute

@@ -116,7 +116,7 @@ def test_tp2_equals_tp1_every_mode(tiny_model_dir, tp2_executor, family):
         t1 = time.perf_counter()
         cfg = _cfg(model_dir, mode, tp=2)
         executor = tp2_executor(family, cfg)
-        assert executor.describe()["tp_size"] == 2 and executor.transport == TRANSPORT[family]
+        assert executor.describe().tp_size == 2 and executor.transport == TRANSPORT[family]
         engine = LLMEngine(cfg, executor=executor)
         scored: list = []
         got = _run(engine, _same_scores_on_every_rank(executor, scored)
@@ -141,7 +141,7 @@ def test_tp4_equals_tp1(ray_local, tiny_model_dir, mode):
     cfg = _cfg(model_dir, mode, tp=4)
     executor = RayExecutor(cfg, transport="plain")
     try:
-        assert executor.describe()["tp_size"] == 4
+        assert executor.describe().tp_size == 4
         engine = LLMEngine(cfg, executor=executor)
         checker = _same_scores_on_every_rank(executor, []) if mode in SCORED_MODES else None
         assert _run(engine, checker) == expected

@@ -38,7 +38,7 @@ from typing import Protocol
 from aspire_ray.config import EngineConfig
 from aspire_ray.executor import Executor
 from aspire_ray.model.loader import cache_root
-from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, StepOutput, StepPlan
+from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.cost_model import CostCoefficients, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
@@ -50,7 +50,7 @@ class CalibratedEngine(Protocol):
     runs steps through the executor on pages of the pool and fits the cost model."""
 
     cfg: EngineConfig
-    info: dict
+    info: ShardInfo
     executor: Executor
     blocks: BlockManager
     policy: DraftPolicy
@@ -104,7 +104,7 @@ def deployment_key(engine: CalibratedEngine) -> dict:
         "model": cfg.model,
         "load_format": cfg.load_format,
         "hf_overrides": json.dumps(cfg.hf_overrides, sort_keys=True, default=str),
-        "device_name": engine.info.get("device_name", cfg.device),
+        "device_name": engine.info.device_name,
         "tp_size": cfg.tp_size,
         "dtype": cfg.dtype,
         "attention_backend": cfg.attention_backend,
@@ -206,7 +206,7 @@ class SweepRunner:
         self._rng = random.Random(0)
         self._step_id = 0
         self._owned: dict[str, list[int]] = {}  # synthetic req id -> pages
-        self._vocab = engine.info["vocab_size"]
+        self._vocab = engine.info.vocab_size
         self.drafting = engine.cfg.spec.speculative  # "ar" workers have no draft page policy
 
     def run(self) -> list[tuple[float, float, float]]:

@@ -52,18 +52,18 @@ class LLMEngine:
         self.info = info
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
         self.detok = Detokenizer(self.tokenizer)
-        self.eos_token_ids = set(info["eos_token_ids"])
+        self.eos_token_ids = set(info.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.max_model_len = min(cfg.scheduler.max_model_len or info["max_position_embeddings"],
-                                 info["max_position_embeddings"])
-        self.blocks = BlockManager(info["num_pages"], cfg.cache.page_size)
+        self.max_model_len = min(cfg.scheduler.max_model_len or info.max_position_embeddings,
+                                 info.max_position_embeddings)
+        self.blocks = BlockManager(info.num_pages, cfg.cache.page_size)
         # physics bounds from what the workers measured at start-up (absent: no bounds)
         self.cost_model = CostModel(bounds=CostBounds.from_device(
-            info.get("kv_bytes_per_token"), info.get("weight_bytes"),
-            info.get("memory_bandwidth")))
+            info.kv_bytes_per_token, info.weight_bytes,
+            info.memory_bandwidth))
         self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size,
-                                  info["num_layers"])
+                                  info.num_layers)
         self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random()
@@ -92,7 +92,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        vocab = self.info["vocab_size"]
+        vocab = self.info.vocab_size
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):

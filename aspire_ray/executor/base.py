@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aspire_ray.config import EngineConfig
-from aspire_ray.plan import StepOutput, StepPlan
+from aspire_ray.plan import ShardInfo, StepOutput, StepPlan
 
 
 class WorkerDiedError(RuntimeError):
@@ -11,7 +11,7 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor:
-    def describe(self) -> dict:
+    def describe(self) -> ShardInfo:
         """Facts about the shards (num_pages = the minimum over ranks, model limits, device)."""
         raise NotImplementedError
 
@@ -35,7 +35,7 @@ class LocalExecutor(Executor):
 
         self.worker = Worker(cfg)
 
-    def describe(self) -> dict:
+    def describe(self) -> ShardInfo:
         return self.worker.describe()
 
     def execute(self, plan: StepPlan) -> StepOutput:

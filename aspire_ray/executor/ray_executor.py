@@ -26,9 +26,10 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 
 from aspire_ray.config import EngineConfig
-from aspire_ray.plan import StepOutput, StepPlan
+from aspire_ray.plan import ShardInfo, StepOutput, StepPlan
 
 from .base import Executor, WorkerDiedError
 
@@ -195,18 +196,18 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
-    def _start(self, timeout_s: float) -> dict:
+    def _start(self, timeout_s: float) -> ShardInfo:
         with _worker_errors():
             host, port = _get_all([self.actors[0].rendezvous.remote()], timeout_s)[0]
             infos = _get_all([a.start.remote(host, port, self.step_timeout_s)
                               for a in self.actors], timeout_s)
         return self._equalize_pages(infos, timeout_s)
 
-    def _equalize_pages(self, infos: list[dict], timeout_s: float) -> dict:
+    def _equalize_pages(self, infos: list[ShardInfo], timeout_s: float) -> ShardInfo:
         # page ids are global: every rank holds the smallest rank's page count
-        num_pages = min(i["num_pages"] for i in infos)
+        num_pages = min(i.num_pages for i in infos)
         _get_all([a.resize_kv.remote(num_pages) for a in self.actors], timeout_s)
-        return {**infos[0], "num_pages": num_pages, "tp_size": self.cfg.tp_size}
+        return replace(infos[0], num_pages=num_pages)
 
     def reconfigure(self, cfg: EngineConfig) -> None:
         """Rebuild every rank's Worker for a new config (same tp_size and device), keeping the
@@ -245,8 +246,8 @@ class RayExecutor(Executor):
         self._transport.close()
         self._transport = self._make_transport(name)
 
-    def describe(self) -> dict:
-        return dict(self._info)
+    def describe(self) -> ShardInfo:
+        return self._info
 
     def execute(self, plan: StepPlan) -> StepOutput:
         if self._dead is not None:

@@ -22,7 +22,16 @@ import torch
 from aspire_ray.attention import get_backend
 from aspire_ray.config import EngineConfig
 from aspire_ray.kernels.host import offsets, upload
-from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput, StepPlan, Stream
+from aspire_ray.plan import (
+    RowKind,
+    RowPlan,
+    RowResult,
+    SamplingSpec,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    Stream,
+)
 from aspire_ray.tp import TPGroup, single_rank
 
 from . import rejection_sampler, sampler
@@ -164,27 +173,24 @@ class Worker:
     def num_pages(self) -> int:
         return self.kv_caches[0].shape[0]
 
-    def describe(self) -> dict:
+    def describe(self) -> ShardInfo:
         """What the driver needs to know about this shard."""
-        return {
-            "num_pages": self.num_pages,
-            "num_layers": self.arch.num_layers,
-            "vocab_size": self.arch.vocab_size,
-            "max_position_embeddings": self.arch.max_position_embeddings,
-            "eos_token_ids": list(self.arch.eos_token_ids),
-            "refresh_layer": self.refresh_layer,
-            "device_name": torch.cuda.get_device_name(self.device)
+        return ShardInfo(
+            num_pages=self.num_pages,
+            num_layers=self.arch.num_layers,
+            vocab_size=self.arch.vocab_size,
+            max_position_embeddings=self.arch.max_position_embeddings,
+            eos_token_ids=tuple(self.arch.eos_token_ids),
+            refresh_layer=self.refresh_layer,
+            device_name=torch.cuda.get_device_name(self.device)
             if self.device.type == "cuda" else "cpu",
-            # start-up measurements for the cost model's lower bounds (spec/cost_model.py,
-            # CostBounds): this shard's KV bytes per token over all layers; the weight bytes a
-            # forward reads (all but the input embedding, of which a step gathers only its
-            # rows); the device memory bandwidth in bytes/s (None: not measured, CPU)
-            "kv_bytes_per_token": self.page_bytes() // self.page_size,
-            "weight_bytes": sum(p.numel() * p.element_size()
-                                for name, p in self.model.named_parameters()
-                                if "embed_tokens" not in name),
-            "memory_bandwidth": self.memory_bandwidth,
-        }
+            kv_bytes_per_token=self.page_bytes() // self.page_size,
+            weight_bytes=sum(p.numel() * p.element_size()
+                             for name, p in self.model.named_parameters()
+                             if "embed_tokens" not in name),
+            memory_bandwidth=self.memory_bandwidth,
+            tp_size=self.tp.size,
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
