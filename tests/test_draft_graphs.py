@@ -56,25 +56,15 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
 
 
 @pytest.mark.slow
-def test_draft_graphs_draft_as_planned_steps(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["aspire_fixed", "ar"])
+def test_chain_graphs_run_as_planned_steps(tiny_model_dir, mode):
     # aspire_fixed: top-k pages chosen from scores, the refresh layer rescoring every step;
-    # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py), sampling too
+    # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py), sampling too.
+    # ar: decode chains on the same graphs (every page listed, the target's random stream)
     model_dir = tiny_model_dir("llama")
-    expected, planned, _ = _run(model_dir, "aspire_fixed", draft_graphs=False)
-    got, drafted, w = _run(model_dir, "aspire_fixed", draft_graphs=True)
-    assert w.draft_graphs.steps > 10, "too few draft steps replayed by the draft graphs"
-    assert drafted == planned  # the same drafts, chain by chain
-    assert got == expected
-    assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw
-
-
-@pytest.mark.slow
-def test_decode_chain_graphs_decode_as_planned_steps(tiny_model_dir):
-    # ar's decode chains on the same graphs (every page listed, the target's random stream)
-    model_dir = tiny_model_dir("llama")
-    expected, planned, _ = _run(model_dir, "ar", draft_graphs=False)
-    got, decoded, w = _run(model_dir, "ar", draft_graphs=True)
-    assert w.draft_graphs.steps > 10, "too few decode steps replayed by the chain graphs"
-    assert decoded == planned and len(planned) > 3  # the same tokens, chain by chain
+    expected, planned, _ = _run(model_dir, mode, draft_graphs=False)
+    got, drafted, w = _run(model_dir, mode, draft_graphs=True)
+    assert w.draft_graphs.steps > 10, "too few chain steps replayed by the chain graphs"
+    assert drafted == planned and len(planned) > 3  # the same tokens, chain by chain
     assert got == expected
     assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw

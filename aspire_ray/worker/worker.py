@@ -336,10 +336,11 @@ class Worker:
         which = [r for r, row in enumerate(rows)
                  if not self.requests[row.req_id].sampling.greedy]  # fmt: skip
         dev = probs.device
-        q = probs[sampler.i64(which, dev)]  # a copy: see _sampled_draft_probs
+        at = sampler.i64(which, dev)
+        q = probs[at]  # a copy: see _sampled_draft_probs
         seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
         positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
-        tokens = tokens.index_copy(0, sampler.i64(which, dev), sampler.sample_from_probs(
+        tokens = tokens.index_copy(0, at, sampler.sample_from_probs(
             q, seeds, positions, Stream.DRAFT if drafting else Stream.TARGET))  # fmt: skip
         for r, q_row in zip(which, q.unbind(0) if drafting else [], strict=False):
             self.requests[rows[r].req_id].draft_probs.append(q_row)
