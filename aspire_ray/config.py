@@ -236,6 +236,10 @@ class EngineConfig:
     # own page lists and work on the device (worker/draft_graphs.py); False: the host plans
     # each step and the scored policies' refresh layer runs eagerly between two graphs.
     draft_graphs: bool = True
+    # With draft_graphs and chain_verify: a greedy round's verification is one graph that plans
+    # itself on the device (worker/verify_graphs.py), so a plan's rounds replay back to back
+    # with one host sync; False: the host plans each round's verification.
+    verify_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

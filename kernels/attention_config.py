@@ -42,11 +42,12 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
-def check_meta(meta: PagedKVMeta, device: torch.device) -> None:
-    """Host copies must exist (planning must not sync; a fixed plan needs none) and index
-    tensors be int32 on device."""
-    if meta.fixed_plan is None and (meta.qo_indptr_host is None or meta.kv_indptr_host is None
-                                    or meta.kv_last_page_len_host is None):  # fmt: skip
+def check_meta(meta: PagedKVMeta, device: torch.device, planned: bool = False) -> None:
+    """Host copies must exist (planning must not sync; a fixed plan or a work list planned on
+    the device, ``planned``, needs none) and index tensors be int32 on device."""
+    if not planned and meta.fixed_plan is None and (
+            meta.qo_indptr_host is None or meta.kv_indptr_host is None
+            or meta.kv_last_page_len_host is None):  # fmt: skip
         raise ValueError("PagedKVMeta needs its *_host copies (build it with PagedKVMeta.build)")
     for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
         t = getattr(meta, name)

@@ -96,7 +96,7 @@ def token_max_probs(
     from the metadata's host copies."""
     check_q(q, kv_cache)
     check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
-    check_meta(meta, q.device)
+    check_meta(meta, q.device, planned=work is not None)
     r, hq, d = q.shape
     if r != meta.num_rows:
         raise ValueError(f"q has {r} rows (one query per row) but meta has {meta.num_rows} rows")

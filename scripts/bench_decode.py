@@ -54,6 +54,7 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "round": {"chain_verify": True},  # chains that carry their round's verification
     "noround": {"chain_verify": False},  # the verification as a plan of its own
     "hostplan": {"draft_graphs": False},  # chain steps planned on the host, not in their graph
+    "hostverify": {"verify_graphs": False},  # round verification planned on the host
 }
 
 

@@ -18,7 +18,8 @@ from aspire_ray.plan import RowKind
 SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
 
-def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
+def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool = False,
+         **spec):
     from aspire_ray.attention.triton_backend import TritonBackend
     from aspire_ray.kernels.paged_attention import AttentionConfig
     from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
@@ -26,13 +27,14 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
 
     cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
                               num_pages=120, attention_backend="triton", max_num_seqs=4,
-                              page_size=page_size, **SPARSE)  # fmt: skip
+                              page_size=page_size, **{**SPARSE, **spec})  # fmt: skip
     engine = LLMEngine(cfg)
     w = engine.executor.worker
     # 8-page chunks: rows over 8 pages split, so merges and partial buffers are exercised (the
     # interpreter runs every program in Python: few, to keep this test short)
     w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=8))
-    w.graphs = PiecewiseGraphs(w.model, w.backend, 16, w.device, EagerGraph)
+    # 32 tokens: a round's verification of 4 rows of 5 queries fits a bucket
+    w.graphs = PiecewiseGraphs(w.model, w.backend, 32, w.device, EagerGraph)
     split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
     w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
     w.draft_graphs = w._draft_graphs() if draft_graphs else None
@@ -52,6 +54,9 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4):
     # test_gpu_engine.py); the same draws as the host-planned steps
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(4)]  # fmt: skip
+    if greedy:
+        params = [SamplingParams(max_tokens=18 + i, temperature=0.0, ignore_eos=True)
+                  for i in range(4)]  # fmt: skip
     return run_staggered(engine, prompts, params, arrive_every=2), drafts, w
 
 
@@ -68,3 +73,18 @@ def test_chain_graphs_run_as_planned_steps(tiny_model_dir, mode):
     assert drafted == planned and len(planned) > 3  # the same tokens, chain by chain
     assert got == expected
     assert any(variant is not None for _, variant in w.draft_graphs.graphs)  # graphs that draw
+
+
+@pytest.mark.slow
+def test_round_graphs_verify_as_planned_steps(tiny_model_dir):
+    # greedy rounds: the chain's verification replayed by a graph that plans itself, rounds
+    # back to back on the device (two per plan); aspire_fixed: the verification also rescores
+    # the pages from each row's first and last query (magicdec's, without scores, a subset)
+    mode = "aspire_fixed"
+    model_dir = tiny_model_dir("llama")
+    expected, planned, _ = _run(model_dir, mode, draft_graphs=False, greedy=True,
+                                rounds_per_plan=2)  # fmt: skip
+    got, drafted, w = _run(model_dir, mode, draft_graphs=True, greedy=True, rounds_per_plan=2)
+    assert w.draft_graphs.verify.steps > 4, "too few verifications replayed by the graphs"
+    assert drafted == planned and len(planned) > 3  # the same drafts, round by round
+    assert got == expected

@@ -46,8 +46,9 @@ from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 from . import sampler
 from .draft_pages import PageScoreTable, choose_top_pages
 from .page_selector import PageSelector
-from .page_table import PageTable
+from .page_table import PageTable, gather_lists
 from .step_graphs import StepGraphs
+from .verify_graphs import VerifyGraphs
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
@@ -61,10 +62,13 @@ VARIANTS = [None, (False, False), (True, False), (False, True), (True, True)]
 class DraftStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
-                 max_rows: int, stream: Stream = Stream.DRAFT) -> None:  # fmt: skip
+                 max_rows: int, stream: Stream = Stream.DRAFT,
+                 max_steps: int = 0) -> None:  # fmt: skip
         """refresh: the refresh layer attends to full lists and rescores (refresh while
         drafting with a scored policy); max_rows: the most rows of a chain; stream: the random
-        stream sampled rows draw from (drafts; the target's for ar's decode chains)."""
+        stream sampled rows draw from (drafts; the target's for ar's decode chains);
+        max_steps: the longest chain whose verification replays a graph (``run_rounds``; 0:
+        none)."""
         self.stream = stream
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
@@ -75,6 +79,11 @@ class DraftStepGraphs:
         # top_p (sampled rows)
         self.state: dict[int, torch.Tensor] = {}
         self.fstate: dict[int, torch.Tensor] = {}
+        # n -> int64 [2, n]: a round's start (ids, pos); int64 [max_steps, n]: its drafts
+        self.start: dict[int, torch.Tensor] = {}
+        self.chain: dict[int, torch.Tensor] = {}
+        self.max_steps = max_steps
+        self.verify = VerifyGraphs(self, selector.uses_scores) if max_steps else None
         self.graphs: dict[tuple, object] = {}  # (n, variant) -> graph
         self.probs: dict[tuple, torch.Tensor] = {}  # (n, variant) -> float32 [n, V]: each q
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
@@ -99,14 +108,20 @@ class DraftStepGraphs:
         if key != self._key:
             self.graphs.clear()
             self.plans.clear()  # capacities follow the pool and the tables
+            if self.verify is not None:
+                self.verify.clear()
             self._key, self._pool_pages = key, kv_caches[0].shape[0]
         if (n, variant) not in self.graphs:
             self._capture(n, variant, kv_caches)
 
-    def capture_all(self, kv_caches: list[torch.Tensor]) -> None:
+    def capture_all(self, kv_caches: list[torch.Tensor], verify_steps: int = 0) -> None:
+        """Every bucket's graphs; with verify_steps, the verification of chains that long."""
         for n in reversed(self.buckets):
             for variant in VARIANTS:
                 self.ensure(n, variant, kv_caches)
+            if self.verify is not None and 1 <= verify_steps <= self.max_steps \
+                    and self.verify.fits(n, verify_steps + 1):  # fmt: skip
+                self.verify.ensure(n, verify_steps + 1, kv_caches)
 
     def _plan(self, n: int, full: bool) -> FixedPlan:
         """The attention plan of bucket n's sparse (full=False) or full lists."""
@@ -135,6 +150,9 @@ class DraftStepGraphs:
             if n not in self.state:
                 self.state[n] = torch.zeros(6, n, dtype=torch.int64, device=p.device)
                 self.fstate[n] = torch.ones(2, n, dtype=torch.float32, device=p.device)
+                self.start[n] = torch.zeros(2, n, dtype=torch.int64, device=p.device)
+                self.chain[n] = torch.zeros(max(self.max_steps, 1), n, dtype=torch.int64,
+                                            device=p.device)  # fmt: skip
             fn = lambda: self._step(n, variant, kv_caches)  # noqa: E731
             self.state[n].zero_()  # no live row: the warm-up run and the capture write nothing
             p.run_captures([fn])
@@ -163,7 +181,8 @@ class DraftStepGraphs:
         middle_end = (head_end + n_top)[:, None]
         logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
                               torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
-        sparse_indptr, template = self._gather(n, counts, logical, row_slot, full=False)
+        sparse_indptr, template = gather_lists(table, counts, logical, row_slot,
+                                               self._capacity(n, False))  # fmt: skip
         sparse = self._meta(n, sparse_indptr, template, last, ps, full=False)
         choice = None
         if self.selector.uses_scores:
@@ -180,8 +199,8 @@ class DraftStepGraphs:
         else:
             self.step_graphs.layers(n, 0, lr, sparse, kv_caches)
             j_full = torch.arange(table.shape[1], device=dev)[None, :]
-            full_indptr, full_indices = self._gather(n, pages, j_full.expand(n, -1), row_slot,
-                                                     full=True)  # fmt: skip
+            full_indptr, full_indices = gather_lists(table, pages, j_full.expand(n, -1),
+                                                     row_slot, self._pool_pages)  # fmt: skip
             full = self._meta(n, full_indptr, full_indices, last, ps, full=True)
             scale = layers[lr].self_attn.scale
             out, lse = self.pieces.backend.attention(q, kv_caches[lr], full, scale,
@@ -203,21 +222,6 @@ class DraftStepGraphs:
             self.probs[n, variant] = probs
         ids.copy_(tokens)
         pos.add_(1)
-
-    def _gather(self, n: int, counts: torch.Tensor, logical: torch.Tensor, row_slot: torch.Tensor,
-                full: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Row r lists the pages logical[r, :counts[r]] (of its slot) -> (kv_indptr int32
-        [n + 1], kv_indices int32 [capacity]; entries past kv_indptr[n] unused)."""
-        cap = self._capacity(n, full)
-        indptr = torch.zeros(n + 1, dtype=torch.long, device=counts.device)
-        indptr[1:] = torch.cumsum(counts, 0)
-        j = torch.arange(logical.shape[1], device=counts.device)[None, :]
-        table = self.page_table.table
-        phys = table[row_slot[:, None], logical.clamp(0, table.shape[1] - 1)]
-        dest = torch.where(j < counts[:, None], indptr[:-1, None] + j, cap)
-        indices = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
-        indices.scatter_(0, dest.flatten(), phys.flatten())
-        return indptr.int(), indices[:cap]
 
     def _meta(self, n: int, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
               ps: int, full: bool) -> PagedKVMeta:  # fmt: skip
@@ -249,21 +253,20 @@ class DraftStepGraphs:
         self.scores.scores.index_copy_(0, torch.where(live, slot, self.scores.scratch), rows)
 
     # ---- one chain -----------------------------------------------------------------------------
-    def run(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
-            scored: list[bool], steps: int, kv_caches: list[torch.Tensor],
-            keep_q: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Replay ``steps`` steps of ``rows`` (rows of one query; their pages in the page
-        table; specs: their sampling; slots: their page-table slots; scored: whether their
-        requests have page scores) -> (each step's tokens, int64 [R]; with keep_q, each step's
-        q of the sampled rows, float32 [S, V] in row order), on the device, no sync."""
-        n, r = self.bucket(len(rows)), len(rows)
-        sampled = [not spec.greedy for spec in specs]
+    def _load(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
+              scored: list[bool], kv_caches: list[torch.Tensor], q: int = 0) -> tuple[int, object]:
+        """Capture what the rows need (the draft graph; with q, the verification of rows of q
+        queries), then upload their state -> (bucket, graph variant)."""
+        n = self.bucket(len(rows))
         variant = sampling_variant(specs)
         if self.scores is not None:  # before the capture check: a resize means a recapture
             self.scores.ensure_slots(self.page_table.slots)
             self.scores.ensure_width(self.page_table.width)
         self.page_table.flush()
         self.ensure(n, variant, kv_caches)
+        if q:
+            self.verify.ensure(n, q, kv_caches)
+        r, sampled = len(rows), [not spec.greedy for spec in specs]
         state = np.zeros((6, n), dtype=np.int64)
         state[0, :r] = [row.token_ids[0] for row in rows]
         state[1, :r] = [row.start_pos for row in rows]
@@ -272,13 +275,25 @@ class DraftStepGraphs:
         state[4, :r] = [spec.top_k for spec in specs]
         state[5, :r] = [spec.seed for spec in specs]
         upload(state, self.pieces.device, self.state[n])
-        keep_q &= variant is not None
         if variant is not None:
             fstate = np.ones((2, n), dtype=np.float32)
             fstate[0, :r] = [1.0 if spec.greedy else spec.temperature for spec in specs]
             fstate[1, :r] = [spec.top_p for spec in specs]
             upload(fstate, self.pieces.device, self.fstate[n])
-            at = upload(np.nonzero(sampled)[0], self.pieces.device)
+        return n, variant
+
+    def run(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
+            scored: list[bool], steps: int, kv_caches: list[torch.Tensor],
+            keep_q: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Replay ``steps`` steps of ``rows`` (rows of one query; their pages in the page
+        table; specs: their sampling; slots: their page-table slots; scored: whether their
+        requests have page scores) -> (each step's tokens, int64 [R]; with keep_q, each step's
+        q of the sampled rows, float32 [S, V] in row order), on the device, no sync."""
+        n, variant = self._load(rows, specs, slots, scored, kv_caches)
+        r = len(rows)
+        keep_q &= variant is not None
+        if keep_q:
+            at = upload(np.nonzero([not spec.greedy for spec in specs])[0], self.pieces.device)
         drafts, qs = [], []
         for _ in range(steps):
             self.graphs[n, variant].replay()
@@ -287,6 +302,36 @@ class DraftStepGraphs:
                 qs.append(self.probs[n, variant][at])  # a copy: the graph rewrites its buffer
         self.steps += steps
         return drafts, qs
+
+    def verifies(self, rows: list[RowPlan], specs: list[SamplingSpec], steps: int) -> bool:
+        """Whether ``run_rounds`` runs these rounds: greedy rows starting fresh rounds
+        (``verify_after`` = [x]) of at most max_steps drafts whose verification has a bucket."""
+        n = self.bucket(len(rows))
+        return self.verify is not None and n is not None and 1 <= steps <= self.max_steps \
+            and self.verify.fits(n, steps + 1) and all(spec.greedy for spec in specs) \
+            and all(len(row.verify_after or ()) == 1 for row in rows)  # fmt: skip
+
+    def run_rounds(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
+                   scored: list[bool], steps: int, rounds: int,
+                   kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+        """``rounds`` greedy rounds of ``rows`` (``verifies``) back to back, each ``steps``
+        draft steps and their verification, each round starting where the last one's
+        verification left its rows -> per round int64 [R * steps + R * (steps + 1)]: the
+        drafts (row-major [R, steps]), then the target's argmax ([R, steps + 1]); on the
+        device, no sync."""
+        n, variant = self._load(rows, specs, slots, scored, kv_caches, q=steps + 1)
+        r, state, chain = len(rows), self.state[n], self.chain[n]
+        out = []
+        for _ in range(rounds):
+            self.start[n].copy_(state[:2])
+            for s in range(steps):
+                self.graphs[n, variant].replay()
+                chain[s].copy_(state[0])
+            argmax = self.verify.replay(n, steps + 1)
+            # copied now: the next replay may reuse the graph pool's memory
+            out.append(torch.cat([chain[:steps, :r].T.flatten(), argmax[:r].flatten()]))
+        self.steps += steps * rounds
+        return out
 
 
 def sampling_variant(specs: list[SamplingSpec]):

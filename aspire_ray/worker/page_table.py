@@ -87,3 +87,20 @@ def ragged_rows(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.T
     row = torch.repeat_interleave(rows, counts, output_size=total)
     starts = torch.cumsum(counts, 0) - counts
     return row, torch.arange(total, device=counts.device) - starts[row]
+
+
+def gather_lists(table: torch.Tensor, counts: torch.Tensor, logical: torch.Tensor,
+                 row_slot: torch.Tensor, capacity: int) -> tuple[torch.Tensor,
+                                                                 torch.Tensor]:  # fmt: skip
+    """Row r lists the pages logical[r, :counts[r]] of page-table row row_slot[r] (table: int32
+    [slots, W]) -> (kv_indptr int32 [R + 1], kv_indices int32 [capacity]; entries past
+    kv_indptr[R] unused). Fixed shapes: capturable."""
+    r = counts.shape[0]
+    indptr = torch.zeros(r + 1, dtype=torch.long, device=counts.device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    j = torch.arange(logical.shape[1], device=counts.device)[None, :]
+    phys = table[row_slot[:, None], logical.clamp(0, table.shape[1] - 1)]
+    dest = torch.where(j < counts[:, None], indptr[:-1, None] + j, capacity)
+    indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
+    indices.scatter_(0, dest.flatten(), phys.flatten())
+    return indptr.int(), indices[:capacity]

@@ -134,8 +134,10 @@ class Worker:
         if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
+        # a round's verification replays a graph too (greedy rounds: their chains carry it)
+        max_steps = spec.max_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
-                               self.page_table, self.scores, rows)
+                               self.page_table, self.scores, rows, max_steps=max_steps)
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -270,6 +272,12 @@ class Worker:
         rounds = rows[0].num_rounds
         if any(row.num_rounds != rounds for row in rows) or (rounds > 1 and not verify):
             raise ValueError("a plan's rounds hold verifying chain rows of one round count")
+        graphs, specs = self.draft_graphs, [self.requests[row.req_id].sampling for row in rows]
+        if verify and graphs is not None and graphs.verifies(rows, specs, steps):
+            results, wait = self._graph_rounds(rows, specs, steps, rounds)
+            total = time.perf_counter() - t0
+            return StepOutput(step_id, results, {"prepare": total - wait, "forward": wait,
+                                                 "sample": 0.0, "total": total, "refresh": 0.0})
         results, refresh, wait = self._chain_round(rows, steps, verify)
         last = results
         for _ in range(rounds - 1):  # the next round starts after each row's committed tokens
@@ -321,6 +329,43 @@ class Worker:
                 res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
             results.append(res)
         return results, refresh, wait
+
+    def _graph_rounds(self, rows: list[RowPlan], specs: list[SamplingSpec], steps: int,
+                      rounds: int) -> tuple[list[RowResult], float]:  # fmt: skip
+        """Greedy rounds replayed whole by the draft-step and verify graphs, back to back, one
+        device sync -> (each row's result, later rounds in ``rounds``; the seconds the host
+        waited). The host reads each round's drafts and argmax and verifies as the device did
+        (``rejection_sampler.verify_greedy``; the device moved on by the same rule)."""
+        reqs = [self.requests[row.req_id] for row in rows]
+        for row, req in zip(rows, reqs, strict=True):
+            end = row.start_pos + rounds * (steps + 1)  # every round accepting all
+            if -(-end // self.page_size) > self.page_table.sizes[req.slot]:
+                raise RuntimeError(f"request {row.req_id}: {self.page_table.sizes[req.slot]} "
+                                   f"pages cannot hold {end} tokens")
+        outs = self.draft_graphs.run_rounds(rows, specs, [req.slot for req in reqs],
+                                            [req.scored_pages > 0 for req in reqs], steps,
+                                            rounds, self.kv_caches)  # fmt: skip
+        t1 = time.perf_counter()
+        flat = torch.cat(outs).tolist()  # the plan's one device sync
+        wait = time.perf_counter() - t1
+        n, width = len(rows), len(rows) * (2 * steps + 1)
+        results: list[RowResult] = []
+        for i in range(rounds):
+            out = flat[i * width : (i + 1) * width]
+            for r, row in enumerate(rows):
+                chain = out[r * steps : (r + 1) * steps]
+                argmax = out[n * steps + r * (steps + 1) : n * steps + (r + 1) * (steps + 1)]
+                accepted, committed = rejection_sampler.verify_greedy(argmax, chain)
+                res = RowResult(row.req_id, RowKind.DRAFT, chain)
+                res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
+                (results.append(res) if i == 0 else results[r].rounds.append(res))
+            if i + 1 < rounds:
+                rows = [row.next_round(res.verified.tokens) for row, res in zip(
+                    rows, results if i == 0 else [x.rounds[-1] for x in results], strict=True)]
+        if self.draft_graphs.refresh or self.draft_graphs.verify.score:
+            for req, row in zip(reqs, rows, strict=True):  # the last verification's pages
+                req.scored_pages = -(-(row.start_pos + steps + 1) // self.page_size)
+        return results, wait
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
         """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
@@ -387,16 +432,16 @@ class Worker:
         a draft row; the requests are dropped after. Their KV lands in pages no request owns
         yet (this runs in the constructor).
         """
+        spec, ps = self.cfg.spec, self.page_size
         if self.graphs is not None:
             try:
                 self.graphs.capture_all(self.kv_caches)
                 self.step_graphs.capture_all(self.kv_caches)
                 if self.draft_graphs is not None:
-                    self.draft_graphs.capture_all(self.kv_caches)
+                    self.draft_graphs.capture_all(self.kv_caches, verify_steps=spec.gamma)
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e)
                 self.graphs = self.step_graphs = self.draft_graphs = None
-        spec, ps = self.cfg.spec, self.page_size
         max_d = self.max_q - 1
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them
         ctx = min(64 * ps + 1, (self.num_pages // 2) * ps - max_d - 1)

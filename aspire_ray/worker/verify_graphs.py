@@ -1,0 +1,172 @@
+"""A synchronized round's verification as one CUDA graph that plans itself (issue 14 items 1-3).
+
+A greedy round (``Worker._execute_chain``, rows with ``verify_after`` = [x]) drafts k tokens per
+row on the draft-step graphs, then verifies them: row r's q = k + 1 tokens [x, d_1 .. d_k] at
+positions p_r .. p_r + k attend to every page, and the target's argmax at each decides how many
+drafts stand. Planned on the host that verification is a StepBatch, a host round trip, and with
+a scored page policy an eager refresh layer between two graphs. Here it is one graph per (row
+bucket n, q) that plans itself from the draft graphs' device state (``DraftStepGraphs``: each
+row's slot and flags; the round's start token and position, copied before the chain; the
+chain's drafts, copied after each draft step):
+
+    plan     tokens [n, q], positions, KV slots; every row's full page list; the attention work
+             of rows of q queries (``device_plan.decode_attention_items``), as the host plans it
+    layers   full lists; with a scored policy the refresh layer also scores pages from each
+             row's first and last query, their mean replacing the row's scores (DESIGN.md §1.2,
+             as ``StepBatch._plan_scoring`` plans a verify row)
+    accept   greedy: a = the longest prefix of drafts equal to the argmax; the row's state moves
+             to the next round's start: token argmax[a], position p + a + 1
+
+so that a plan's rounds replay back to back with one host sync (``DraftStepGraphs.run_rounds``).
+The token rows r * q .. r * q + q - 1 of the bucket's n * q are row r's; tokens past n * q (the
+token bucket's padding) write no KV and are read by no one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.device_plan import score_items
+
+from .page_table import gather_lists
+
+if TYPE_CHECKING:
+    from aspire_ray.kernels.paged_attention import FixedPlan
+
+_LIVE, _SCORED = 1, 2  # DraftStepGraphs' row flag bits
+
+
+class VerifyGraphs:
+    def __init__(self, drafts: Any, score: bool) -> None:
+        """drafts: the ``DraftStepGraphs`` whose state the verification reads and advances (it
+        owns this object: no import back);
+        score: the page policy reads scores (verify rows rescore their pages)."""
+        self.drafts, self.pieces, self.score = drafts, drafts.pieces, score
+        self.model = self.pieces.model
+        self.graphs: dict[tuple[int, int], object] = {}  # (n, q) -> graph
+        self.argmax: dict[tuple[int, int], torch.Tensor] = {}  # (n, q) -> int64 [n, q] output
+        self.plans: dict[tuple[int, int], FixedPlan] = {}
+        self.steps = 0  # verifications replayed
+
+    def clear(self) -> None:
+        """Forget every graph (the tables or the KV pool moved)."""
+        self.graphs.clear()
+        self.argmax.clear()
+        self.plans.clear()
+
+    def fits(self, n: int, q: int) -> bool:
+        """Whether bucket n's rows of q queries have a token bucket."""
+        return self.pieces.bucket(n * q) is not None
+
+    def ensure(self, n: int, q: int, kv_caches: list[torch.Tensor]) -> None:
+        if (n, q) in self.graphs:
+            return
+        p, t = self.pieces, self.pieces.bucket(n * q)
+        state, start = self.drafts.state[n], self.drafts.start[n]
+        with torch.inference_mode():
+            p.inputs_for(t, kv_caches)
+            fn = lambda: self._step(n, q, t, kv_caches)  # noqa: E731
+            state.zero_()  # no live row: the warm-up run and the capture write nothing
+            start.zero_()
+            p.run_captures([fn])
+            state.zero_()
+            (graph,), out = p.run_captures([fn], capture=True)
+        self.graphs[n, q], self.argmax[n, q] = graph, out
+
+    def replay(self, n: int, q: int) -> torch.Tensor:
+        """Verify bucket n's round -> the argmax, int64 [n, q], in the graphs' shared pool:
+        copy it before the next replay."""
+        self.graphs[n, q].replay()
+        self.steps += 1
+        return self.argmax[n, q]
+
+    # ---- the captured verification --------------------------------------------------------------
+    def _plan(self, n: int, q: int) -> FixedPlan:
+        if (n, q) not in self.plans:
+            from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
+
+            attn = self.model.layers[0].self_attn
+            self.plans[n, q] = FixedPlan.for_decode(
+                n, self.drafts._pool_pages, attn.q_heads, attn.kv_heads, attn.head_dim,
+                self.pieces.device, self.drafts.step_graphs.config, q=q)  # fmt: skip
+        return self.plans[n, q]
+
+    def _step(self, n: int, q: int, t: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        d, p = self.drafts, self.pieces
+        ids, pos, slot, flags = d.state[n][:4]
+        start_ids, start_pos = d.start[n]
+        table, dev = d.page_table.table, start_pos.device  # int32 [slots, W]
+        ps, width = kv_caches[0].shape[2], table.shape[1]
+        live = (flags & _LIVE) > 0
+        row_slot = torch.where(live, slot, 0)
+        tokens = torch.cat([start_ids[:, None], d.chain[n][: q - 1].T], dim=1)  # [n, q]
+        positions = start_pos[:, None] + torch.arange(q, device=dev)  # [n, q]
+        block = (positions // ps).clamp(max=width - 1)
+        kv_slot = torch.where(live[:, None], table[row_slot[:, None], block].long() * ps
+                              + positions % ps, -1)  # fmt: skip
+        inputs = p.inputs[t]
+        inputs[:, : n * q].copy_(torch.stack([tokens.flatten(), positions.flatten(),
+                                              kv_slot.flatten()]))  # fmt: skip
+        inputs[2, n * q : t].fill_(-1)  # the token bucket's padding: no KV
+
+        end = start_pos + q  # tokens visible to a row's last query
+        pages = torch.where(live, (end + ps - 1) // ps, 0)
+        last = torch.where(live, end - (pages - 1) * ps, 1).int()
+        j = torch.arange(width, device=dev)[None, :]
+        indptr, indices = gather_lists(table, pages, j.expand(n, -1), row_slot, d._pool_pages)
+        plan = self._plan(n, q)
+        plan.load_decode(indptr, last, ps, q)
+        qo = torch.arange(n + 1, dtype=torch.int32, device=dev) * q
+        meta = PagedKVMeta(qo, indptr, indices, last, ps, fixed_plan=plan)
+
+        layers, lr = self.model.layers, d.refresh_layer
+        if not self.score:
+            hidden = d.step_graphs.layers(t, 0, len(layers), meta, kv_caches)
+        else:
+            d.step_graphs.layers(t, 0, lr, meta, kv_caches)
+            scale = layers[lr].self_attn.scale
+            out, lse = p.backend.attention(p.q[:t], kv_caches[lr], meta, scale, return_lse=True)
+            p.attn_out[:t].copy_(out)
+            self._rescore(n, q, lse, kv_caches[lr], scale, start_pos, live, slot, row_slot)
+            flags.bitwise_or_(live.long() * _SCORED)
+            hidden = d.step_graphs.layers(t, lr + 1, len(layers), meta, kv_caches)
+        argmax = self.model.compute_logits(hidden[: n * q]).argmax(dim=-1).view(n, q)
+        accepted = (argmax[:, :-1] == tokens[:, 1:]).long().cumprod(dim=1).sum(dim=1)
+        ids.copy_(torch.where(live, argmax.gather(1, accepted[:, None])[:, 0], ids))
+        pos.copy_(torch.where(live, start_pos + accepted + 1, pos))
+        return argmax
+
+    def _rescore(self, n: int, q: int, lse: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                 start_pos: torch.Tensor, live: torch.Tensor, slot: torch.Tensor,
+                 row_slot: torch.Tensor) -> None:  # fmt: skip
+        """Rows' page scores from their first and last query (each over the pages it sees),
+        averaged as ``PageScoreTable.store`` averages them; padding rows write the scratch row."""
+        from aspire_ray.kernels.page_scores import BLOCK_N
+
+        d, p = self.drafts, self.pieces
+        table, scores, dev = d.page_table.table, d.scores, lse.device
+        ps, width = kv_cache.shape[2], table.shape[1]
+        first = torch.arange(n, device=dev) * q
+        which = torch.stack([first, first + q - 1], dim=1).flatten()  # [2n] token index
+        visible = torch.stack([start_pos + 1, start_pos + q], dim=1).flatten()
+        live2 = live.repeat_interleave(2)
+        pages = torch.where(live2, (visible + ps - 1) // ps, 0)
+        last = torch.where(live2, visible - (pages - 1) * ps, 1).int()
+        cap = 2 * d._pool_pages  # a row's pages, listed by both its queries
+        j = torch.arange(width, device=dev)[None, :]
+        indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
+                                       row_slot.repeat_interleave(2), cap)  # fmt: skip
+        meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=dev), indptr,
+                           indices, last, ps)  # fmt: skip
+        work, count = score_items(indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + 2 * n)
+        probs = p.backend.token_max_probs(p.q[which], lse[which].contiguous(), kv_cache, meta,
+                                          scale, work=(work.int(), count.int()))  # fmt: skip
+        page_scores = probs.sum(dim=-1)  # [cap]
+        jw = torch.arange(scores.width, device=dev)[None, :]
+        at = (indptr[:-1, None].long() + jw).clamp(max=cap - 1)
+        per_query = torch.where(jw < pages[:, None], page_scores[at], 0.0).view(n, 2, -1)
+        rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
+        scores.scores.index_copy_(0, torch.where(live, slot, scores.scratch), rows)
