@@ -55,7 +55,7 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool =
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(4)]  # fmt: skip
     if greedy:
-        params = [SamplingParams(max_tokens=18 + i, temperature=0.0, ignore_eos=True)
+        params = [SamplingParams(max_tokens=14 + i, temperature=0.0, ignore_eos=True)
                   for i in range(4)]  # fmt: skip
     return run_staggered(engine, prompts, params, arrive_every=2), drafts, w
 

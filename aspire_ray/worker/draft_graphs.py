@@ -39,12 +39,11 @@ import numpy as np
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.device_plan import score_items
 from aspire_ray.kernels.host import upload
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
-from .draft_pages import PageScoreTable, choose_top_pages
+from .draft_pages import PageScoreTable, choose_top_pages, listed_page_scores
 from .page_selector import PageSelector
 from .page_table import PageTable, gather_lists
 from .step_graphs import StepGraphs
@@ -239,17 +238,8 @@ class DraftStepGraphs:
                  live: torch.Tensor, slot: torch.Tensor) -> None:  # fmt: skip
         """Each live row's page scores (its one query's, DESIGN.md §1.2) replace its row of the
         score table; padding rows write the scratch row."""
-        from aspire_ray.kernels.page_scores import BLOCK_N
-
-        ps, cap = full.page_size, full.kv_indices.shape[0]
-        work, count = score_items(full.kv_indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + q.shape[0])
-        probs = self.pieces.backend.token_max_probs(q, lse, kv_cache, full, scale,
-                                                    work=(work.int(), count.int()))  # fmt: skip
-        page_scores = probs.sum(dim=-1)  # [cap] float32
-        width = self.scores.width
-        j = torch.arange(width, device=q.device)[None, :]
-        at = (full.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
-        rows = torch.where(j < pages[:, None], page_scores[at], 0.0)
+        rows = listed_page_scores(self.pieces.backend, q, lse, kv_cache, full, scale, pages,
+                                  self.scores.width)  # fmt: skip
         self.scores.scores.index_copy_(0, torch.where(live, slot, self.scores.scratch), rows)
 
     # ---- one chain -----------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from aspire_ray.kernels.device_plan import score_items
+
 
 class PageScoreTable:
     """Page scores of the live requests: float32 [slots, width] on the worker's device.
@@ -95,3 +97,20 @@ def choose_top_pages(template: torch.Tensor, pages: torch.Tensor, table: PageSco
     out = torch.cat([template, template.new_zeros(1)])
     out.scatter_(0, dest.flatten(), phys.flatten())
     return out[:nnz]
+
+
+def listed_page_scores(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor,
+                       meta, scale: float, pages: torch.Tensor, width: int) -> torch.Tensor:
+    """Page scores of rows of one query each, planned on the device (CUDA graphs): q [R, Hq,
+    D], lse [R, Hq] float32, meta: the rows' page lists (fixed capacity), pages: int64 [R]
+    pages each row lists -> float32 [R, width], row r's score of its j-th page, 0 past them."""
+    from aspire_ray.kernels.page_scores import BLOCK_N  # imports triton
+
+    ps, cap = meta.page_size, meta.kv_indices.shape[0]
+    work, count = score_items(meta.kv_indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + q.shape[0])
+    probs = backend.token_max_probs(q, lse, kv_cache, meta, scale,
+                                    work=(work.int(), count.int()))  # fmt: skip
+    page_scores = probs.sum(dim=-1)  # [cap]
+    j = torch.arange(width, device=q.device)[None, :]
+    at = (meta.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
+    return torch.where(j < pages[:, None], page_scores[at], 0.0)

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.device_plan import score_items
 
+from .draft_pages import listed_page_scores
 from .page_table import gather_lists
 
 if TYPE_CHECKING:
@@ -144,8 +144,6 @@ class VerifyGraphs:
                  row_slot: torch.Tensor) -> None:  # fmt: skip
         """Rows' page scores from their first and last query (each over the pages it sees),
         averaged as ``PageScoreTable.store`` averages them; padding rows write the scratch row."""
-        from aspire_ray.kernels.page_scores import BLOCK_N
-
         d, p = self.drafts, self.pieces
         table, scores, dev = d.page_table.table, d.scores, lse.device
         ps, width = kv_cache.shape[2], table.shape[1]
@@ -155,18 +153,13 @@ class VerifyGraphs:
         live2 = live.repeat_interleave(2)
         pages = torch.where(live2, (visible + ps - 1) // ps, 0)
         last = torch.where(live2, visible - (pages - 1) * ps, 1).int()
-        cap = 2 * d._pool_pages  # a row's pages, listed by both its queries
         j = torch.arange(width, device=dev)[None, :]
+        cap = 2 * d._pool_pages  # a row's pages, listed by both its queries
         indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
                                        row_slot.repeat_interleave(2), cap)  # fmt: skip
         meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=dev), indptr,
                            indices, last, ps)  # fmt: skip
-        work, count = score_items(indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + 2 * n)
-        probs = p.backend.token_max_probs(p.q[which], lse[which].contiguous(), kv_cache, meta,
-                                          scale, work=(work.int(), count.int()))  # fmt: skip
-        page_scores = probs.sum(dim=-1)  # [cap]
-        jw = torch.arange(scores.width, device=dev)[None, :]
-        at = (indptr[:-1, None].long() + jw).clamp(max=cap - 1)
-        per_query = torch.where(jw < pages[:, None], page_scores[at], 0.0).view(n, 2, -1)
+        per_query = listed_page_scores(p.backend, p.q[which], lse[which].contiguous(), kv_cache,
+                                       meta, scale, pages, scores.width).view(n, 2, -1)  # fmt: skip
         rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
         scores.scores.index_copy_(0, torch.where(live, slot, scores.scratch), rows)

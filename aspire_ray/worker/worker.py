@@ -349,19 +349,26 @@ class Worker:
         flat = torch.cat(outs).tolist()  # the plan's one device sync
         wait = time.perf_counter() - t1
         n, width = len(rows), len(rows) * (2 * steps + 1)
-        results: list[RowResult] = []
+        by_round: list[list[RowResult]] = []
         for i in range(rounds):
+            if i:  # each round starts after the tokens the last one committed
+                rows = [row.next_round(res.verified.tokens)
+                        for row, res in zip(rows, by_round[-1], strict=True)]  # fmt: skip
             out = flat[i * width : (i + 1) * width]
+            drafts, argmax = out[: n * steps], out[n * steps :]
+            this = []
             for r, row in enumerate(rows):
-                chain = out[r * steps : (r + 1) * steps]
-                argmax = out[n * steps + r * (steps + 1) : n * steps + (r + 1) * (steps + 1)]
-                accepted, committed = rejection_sampler.verify_greedy(argmax, chain)
+                chain = drafts[r * steps : (r + 1) * steps]
+                accepted, committed = rejection_sampler.verify_greedy(
+                    argmax[r * (steps + 1) : (r + 1) * (steps + 1)], chain)
                 res = RowResult(row.req_id, RowKind.DRAFT, chain)
                 res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
-                (results.append(res) if i == 0 else results[r].rounds.append(res))
-            if i + 1 < rounds:
-                rows = [row.next_round(res.verified.tokens) for row, res in zip(
-                    rows, results if i == 0 else [x.rounds[-1] for x in results], strict=True)]
+                this.append(res)
+            by_round.append(this)
+        results = by_round[0]
+        for later in by_round[1:]:
+            for first, res in zip(results, later, strict=True):
+                first.rounds.append(res)
         if self.draft_graphs.refresh or self.draft_graphs.verify.score:
             for req, row in zip(reqs, rows, strict=True):  # the last verification's pages
                 req.scored_pages = -(-(row.start_pos + steps + 1) // self.page_size)
