@@ -31,10 +31,12 @@ def ragged_fixed(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, tor
     return row, e - (ends - counts)[row], ends[-1:]
 
 
+_Items = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def decode_attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, page_size: int,
                            group: int, hkv: int, cfg: AttentionConfig, num_sms: int,
-                           capacity: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor, torch.Tensor]:  # fmt: skip
+                           capacity: int, q: int = 1) -> _Items:  # fmt: skip
     """Attention work of rows of ``q`` queries each (one: decode and draft rows; gamma + 1:
     the verify rows of a synchronized round), as ``_host_plan`` splits them.
 
