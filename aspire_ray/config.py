@@ -240,9 +240,6 @@ class EngineConfig:
     # itself on the device (worker/verify_graphs.py), so a plan's rounds replay back to back
     # with one host sync; False: the host plans each round's verification.
     verify_graphs: bool = True
-    # On CUDA in bf16/fp16: GEMMs of at most 64 tokens (decode and draft steps) on the Triton
-    # split-K kernel (kernels/skinny_linear.py), larger ones on cuBLAS; False: cuBLAS for all.
-    skinny_gemm: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -145,12 +145,3 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2I] -> silu(gate) * up with gate, up = x.chunk(2, -1)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) accumulated in float32, rounded once to x's
-    dtype (what ``skinny_linear`` computes; cuBLAS rounds the same way)."""
-    out = x.float() @ weight.float().T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)

@@ -55,7 +55,6 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "noround": {"chain_verify": False},  # the verification as a plan of its own
     "hostplan": {"draft_graphs": False},  # chain steps planned on the host, not in their graph
     "hostverify": {"verify_graphs": False},  # round verification planned on the host
-    "cublas": {"skinny_gemm": False},  # every GEMM on cuBLAS (no split-K few-token kernel)
 }
 
 

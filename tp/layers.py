@@ -19,33 +19,7 @@ def _narrow(w: torch.Tensor, dim: int, index: int, size: int) -> torch.Tensor:
     return w.narrow(dim, index * size, size)
 
 
-class _Linear(nn.Module):
-    """x W^T (+ b) through F.linear (cuBLAS), or through the Triton split-K kernel for
-    few-token batches once ``use_skinny_gemm`` switched it on (decode and draft steps: cuBLAS
-    launches too few CTAs there, kernels/skinny_linear.py)."""
-
-    skinny = None  # (fits, skinny_linear) of kernels.skinny_linear, or None: F.linear
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.skinny is not None and self.skinny[0](x, self.weight):
-            return self.skinny[1](x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
-
-
-def use_skinny_gemm(model: nn.Module, device: torch.device) -> int:
-    """Route the few-token GEMMs of every parallel linear of ``model`` to the split-K kernel
-    (CUDA with triton only: the import is here, so a CPU install never imports triton).
-    Returns how many layers were switched."""
-    from aspire_ray.kernels.skinny_linear import counters, fits, skinny_linear
-
-    counters(device)  # allocated now, outside any CUDA-graph capture
-    layers = [m for m in model.modules() if isinstance(m, _Linear)]
-    for layer in layers:
-        layer.skinny = (fits, skinny_linear)
-    return len(layers)
-
-
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: [out/tp, in] on each rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -65,7 +39,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(_narrow(full, 0, self.tp.rank, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -111,7 +85,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         dst.copy_(src)
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b, W split by input columns: [out, in/tp]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -131,7 +105,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(_narrow(full, 1, self.tp.rank, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x, None))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 

@@ -12,7 +12,6 @@ from aspire_ray.model import loader
 from aspire_ray.model.arch import ModelArch
 from aspire_ray.model.decoder import DecoderModel
 from aspire_ray.tp import TPGroup
-from aspire_ray.tp.layers import use_skinny_gemm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,6 +94,4 @@ def build_model(cfg: EngineConfig, tp: TPGroup, device: torch.device) -> Decoder
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint of {cfg.model!r} lacks weights: {sorted(missing)[:5]}")
-    if cfg.skinny_gemm and device.type == "cuda" and dtype != torch.float32:
-        use_skinny_gemm(model, device)
     return model.eval()
