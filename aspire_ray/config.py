@@ -97,9 +97,18 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # query tokens per step (prefill chunks + decode rows)
     max_model_len: int | None = None  # defaults to the model's max positions
+    # Admission keeps room for the running requests (vLLM's watermark, made exact): a waiting
+    # request is admitted only while the free pages cover what every running request and the
+    # new one lack for their whole prompt plus this many more tokens, so that decoding does
+    # not preempt and recompute whole prompts (32k tokens each in the largest-batch run of
+    # issue 15). None: the most tokens one plan adds (SpecConfig.plan_growth_tokens); 0: only
+    # the new row's pages are checked (preemption makes room later).
+    admission_headroom_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.admission_headroom_tokens is None or self.admission_headroom_tokens >= 0,
+                 f"admission_headroom_tokens must be >= 0, got {self.admission_headroom_tokens}")
         _require(self.max_num_batched_tokens >= 32,
                  f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
 
@@ -142,10 +151,11 @@ class SpecConfig:
     # drafts), up to this many rounds run back to back in one plan, the worker starting each
     # from the last one's accepted tokens: one engine round trip (commit, stop checks,
     # scheduling) per this many rounds. Clients receive up to this many rounds' tokens at once.
-    # 1 by default: on an H200 4 rounds per plan changed a round by -3% (magicdec) and +4%
-    # (aspire_fixed), within noise (docs/benchmarks.md §8.12): the GPU idles inside a round
-    # (its verification is planned and launched by the host), not between plans.
-    rounds_per_plan: int = 1
+    # 4 by default: with the rounds' verification planned on the device (worker/verify_graphs.py)
+    # the plan's rounds replay back to back with one host sync; on real Qwen2.5-Coder-0.5B at
+    # 32k, batch 64, 4 rounds per plan gave magicdec 1.51x -> 1.55x and aspire_fixed 1.28x ->
+    # 1.44x `ar` in one run (docs/benchmarks.md §8.15).
+    rounds_per_plan: int = 4
     # ar: once every request decodes (nothing in prefill, nobody waiting), this many decode
     # steps run back to back as one plan (a decode chain, as vLLM's multi-step scheduling):
     # each step's token feeds the next on the device, stop conditions apply when the chain
@@ -204,6 +214,18 @@ class SpecConfig:
     @property
     def refresh_while_drafting(self) -> bool:
         return self.mode_spec.refresh_while_drafting
+
+    @property
+    def plan_growth_tokens(self) -> int:
+        """Most tokens one plan can add to a request's KV: a decode chain's ``ar_chain``
+        steps, or ``rounds_per_plan`` rounds of at most drafts + 1 positions each (a fixed
+        gamma's drafts, else up to max_drafts, and the verification's one more)."""
+        if not self.speculative:
+            return self.ar_chain
+        rounds = self.rounds_per_plan if self.synchronized else 1
+        drafts = min(self.gamma, self.max_drafts) if self.mode_spec.gamma_rule == "fixed" \
+            else self.max_drafts  # fmt: skip
+        return max(self.ar_chain, (drafts + 1) * rounds)
 
     @property
     def max_drafts(self) -> int:

@@ -60,7 +60,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
-    VARIANTS, gN (gamma = N) or rN (N rounds per plan), or several joined by "+", e.g.
+    VARIANTS, gN (gamma = N), rN (N rounds per plan) or aN (``ar``: N decode steps per plan),
+    or several joined by "+", e.g.
     "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
@@ -69,10 +70,12 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["gamma"] = int(part[1:])
         elif re.fullmatch(r"r\d+", part):  # rounds per plan
             options["rounds_per_plan"] = int(part[1:])
+        elif re.fullmatch(r"a\d+", part):  # ar: decode steps per plan
+            options["ar_chain"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
         else:
-            raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, "
+            raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
                              f"{', '.join(v for v in VARIANTS if v)})")
     return spec_mode, options
 

@@ -28,6 +28,7 @@ from bench_decode import DUMMY_SHAPES, _empty_cache, mode_options, prefill_batch
 from floor_report import (
     SPLIT,
     Row,
+    idle_gaps,
     idle_per_step,
     kv_page_reads,
     median,
@@ -158,16 +159,21 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
         and e.name() != STEP_LABEL
         and not e.is_user_annotation()
     ]
+    bounds = [*(s for s, _ in marks), marks[-1][1]]
+    gaps = [idle_gaps(busy, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     windows = idle_per_step([s for s, _ in marks], marks[-1][1], busy)
     kinds = iter((step_kind(rows), chain_steps(rows)) for rows, _ in rec.steps[first:])
     step_kinds = [next(kinds) if r else (None, 1) for r in ran]
     kernels = kernel_times(events, [s for s, _ in marks], step_kinds)
     windows = [w for w, r in zip(windows, ran, strict=True) if r]
+    gaps = [g for g, r in zip(gaps, ran, strict=True) if r]
     out = []
-    for (rows, _), (window, b) in zip(rec.steps[first:], windows, strict=True):
+    for (rows, _), (window, b), g in zip(rec.steps[first:], windows, gaps, strict=True):
         kind, k = step_kind(rows), chain_steps(rows)
         out.append({"kind": kind, "window_s": window / 1e9 / k, "busy_s": b / 1e9 / k,
-                    "kernels": kernels.get(kind, {})})  # fmt: skip
+                    "kernels": kernels.get(kind, {}),
+                    # per step of the plan: idle gaps <= 2 us, <= 10 us, <= 100 us, longer
+                    "idle_gaps": [{"count": n / k, "ms": t / 1e6 / k} for n, t in g]})
     return out
 
 
@@ -268,6 +274,11 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     gc.collect()
     _empty_cache()
     kinds = summarize(steps, idle, bandwidth)
+    for kind, k in kinds.items():
+        for g in k.get("gpu", {}).get("idle_gaps", []):
+            bucket = f"<= {g['upto_us']:g} us" if g["upto_us"] else "longer"
+            print(f"{mode} {kind}: idle gaps {bucket}: {g['count']:.0f} per step, "
+                  f"{g['ms']:.3f} ms", file=sys.stderr)  # fmt: skip
     return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle}
 
 

@@ -102,6 +102,26 @@ def busy_seconds(intervals: Iterable[tuple[float, float]], lo: float, hi: float)
     return busy
 
 
+GAP_BUCKETS_NS = (2_000, 10_000, 100_000)  # idle gaps up to 2 us, 10 us, 100 us, longer
+
+
+def idle_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
+              buckets: Sequence[float] = GAP_BUCKETS_NS) -> list[tuple[int, float]]:
+    """The idle time inside [lo, hi) as (count, total length) of its gaps per size bucket:
+    gaps up to buckets[0], up to buckets[1], ..., longer. Between kernels of one CUDA graph
+    the gaps are short (the GPU between nodes); a host stall leaves a long one."""
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi)
+    out = [[0, 0.0] for _ in range(len(buckets) + 1)]
+    end = lo
+    for s, e in [*clipped, (hi, hi)]:
+        if s > end:
+            b = next((i for i, limit in enumerate(buckets) if s - end <= limit), len(buckets))
+            out[b][0] += 1
+            out[b][1] += s - end
+        end = max(end, e)
+    return [(n, t) for n, t in out]
+
+
 def idle_per_step(
     starts: Sequence[float], last_end: float, intervals: Sequence[tuple[float, float]]
 ) -> list[tuple[float, float]]:
@@ -125,7 +145,7 @@ def summarize(steps: list[dict], profile: list[dict] | None, bandwidth: float) -
 
     steps: {"kind", "wall_s", "rows", "tokens", "bytes": {"weights", "kv", "total"},
             "worker_s": {name: seconds}} per timed step.
-    profile: {"kind", "window_s", "busy_s"} per profiled step, or None (CPU).
+    profile: {"kind", "window_s", "busy_s"[, "idle_gaps"]} per profiled step, or None (CPU).
     bandwidth: bytes per second (read + write of a copy).
     Idle is the unprofiled median wall minus the profiled median GPU-busy time, because the
     profiler's own host overhead lengthens the profiled steps (their idle is kept apart).
@@ -159,6 +179,13 @@ def summarize(steps: list[dict], profile: list[dict] | None, bandwidth: float) -
                 "idle_frac": (wall - busy) / wall,
                 "profiled_idle_ms": 1e3 * median(p["window_s"] - p["busy_s"] for p in prof),
             }
+            gaps = [p["idle_gaps"] for p in prof if "idle_gaps" in p]
+            if gaps:  # medians per bucket of the profiled steps' idle gaps (idle_gaps)
+                limits = [ns / 1e3 for ns in GAP_BUCKETS_NS] + [None]  # us; None: longer
+                k["gpu"]["idle_gaps"] = [
+                    {"upto_us": limit, "count": median(g[b]["count"] for g in gaps),
+                     "ms": median(g[b]["ms"] for g in gaps)}
+                    for b, limit in enumerate(limits)]  # fmt: skip
         kinds[kind] = k
     return kinds
 

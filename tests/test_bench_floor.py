@@ -71,6 +71,9 @@ def test_step_kind_and_idle():
         "ar", "verify", "draft", "mixed"]  # fmt: skip
     assert fr.busy_seconds([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == 3.0
     assert fr.idle_per_step([0, 4], 8, [(1, 3), (3.5, 5), (6, 7)]) == [(4, 2.5), (4, 2)]
+    # gaps in [0, 20): 0-1 (1), 3-3.5 (0.5), 5-12 (7), 13-20 (7, to the window's end)
+    gaps = fr.idle_gaps([(1, 3), (2, 3), (3.5, 5), (12, 13)], 0, 20, buckets=(0.5, 2, 7))
+    assert gaps == [(1, 0.5), (1, 1.0), (2, 14.0), (0, 0.0)]
 
 
 def test_summarize():
@@ -82,6 +85,10 @@ def test_summarize():
     assert k["wall_ms"] == pytest.approx(5.0) and k["floor_ms"] == pytest.approx(4.0)
     assert k["ratio"] == pytest.approx(1.25) and k["worker_ms"]["forward"] == pytest.approx(2.0)
     assert k["gpu"]["idle_ms"] == pytest.approx(2.0) and k["gpu"]["idle_frac"] == pytest.approx(0.4)
+    gaps = [{"count": c, "ms": c * 1e-3} for c in (300, 2, 0, 1)]
+    k2 = fr.summarize(steps, [dict(prof[0], idle_gaps=gaps)], bandwidth=1e6)["ar"]
+    assert [g["upto_us"] for g in k2["gpu"]["idle_gaps"]] == [2.0, 10.0, 100.0, None]
+    assert k2["gpu"]["idle_gaps"][0]["count"] == 300 and "idle_gaps" not in k["gpu"]
     assert "| ar | ar | 3 | 5.00 |" in fr.table([{"mode": "ar", "kinds": {"ar": k}}],
                                                  {"bytes_per_s": 1e6, "counts": "", "copy_bytes": 1,
                                                   "repeats": 1})  # fmt: skip

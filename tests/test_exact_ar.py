@@ -22,8 +22,9 @@ def test_greedy_matches_transformers(tiny_model_dir, family, pool):
     # "preempting": 8 pages of 16 tokens cannot hold 5 requests of up to 94 tokens at once
     # (ar's decode chains finish the early requests quickly: a roomier pool may not preempt)
     num_pages = 200 if pool == "roomy" else 8
+    # no admission headroom in the preempting pool: requests are admitted and then preempted
     cfg = build_engine_config(model_dir, max_num_batched_tokens=64, num_pages=num_pages,
-                              d_max=4)
+                              d_max=4, admission_headroom_tokens=0)  # fmt: skip
     engine = LLMEngine(cfg)
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)] * 5
     got = run_staggered(engine, prompts, params, arrive_every=3)

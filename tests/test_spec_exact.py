@@ -40,7 +40,8 @@ def test_all_modes_match_ar(tiny_model_dir, family):
 def test_modes_match_ar_under_preemption(tiny_model_dir, mode):
     model_dir = tiny_model_dir("llama")
     _, expected = _run(model_dir, "ar", num_pages=120)
-    engine, got = _run(model_dir, mode, num_pages=16)
+    # no admission headroom, so that requests really are preempted and recomputed
+    engine, got = _run(model_dir, mode, num_pages=16, admission_headroom_tokens=0)
     assert got == expected
     assert engine.scheduler.num_preemptions > 0
 

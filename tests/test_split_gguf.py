@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from aspire_ray.model import loader
+from aspire_ray.model import loader, split_gguf
 from aspire_ray.model.arch import ModelArch
 from aspire_ray.model.cache import ModelNotFoundError
 from aspire_ray.model.split_gguf import CorruptModelError, MissingPartsError
@@ -58,6 +58,15 @@ def fake_alias(tmp_path, monkeypatch):
         file = dataclasses.replace(real.file, num_parts=len(sizes), size=len(joined),
                                    sha256=sha256 or hashlib.sha256(joined).hexdigest())
         monkeypatch.setitem(loader._ALIASES, alias, dataclasses.replace(real, file=file))
+        if not metadata:  # hide the real parts' dist-info too, where they are installed
+            real_distribution = split_gguf.importlib.metadata.distribution
+
+            def distribution(name):
+                if name.startswith(f"{real.file.dist}-part"):
+                    raise split_gguf.importlib.metadata.PackageNotFoundError(name)
+                return real_distribution(name)
+
+            monkeypatch.setattr(split_gguf.importlib.metadata, "distribution", distribution)
         return joined, site
 
     return install

@@ -3,8 +3,11 @@
 Each step every running request gets at most one row: a prefill chunk (catching
 ``num_computed`` up to its committed tokens), or, once decoding, the action its draft policy
 picks (draft / verify / idle). Waiting requests are admitted FCFS while the token budget,
-``max_num_seqs`` and free pages allow. When pages run out, the most recently admitted running
-request is preempted: its pages are freed and it is recomputed later.
+``max_num_seqs`` and free pages allow, keeping free what every running request (and the new
+one) lacks for its whole prompt and one more plan (``headroom_tokens``). When pages still run
+out, a request not yet
+scheduled this step is preempted, the one with the least KV to recompute (a long prompt is
+the last resort): its pages are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class Scheduler:
         self._dropped: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        self._unscheduled: list[Request] = []  # see schedule()
+        self.headroom_tokens = (cfg.admission_headroom_tokens
+                                if cfg.admission_headroom_tokens is not None
+                                else policy.cfg.plan_growth_tokens)  # fmt: skip
         # While True, only prompts are computed: requests that finished their prefill wait.
         # Decode benchmarks set it so that every request of a batch starts decoding together
         # (otherwise early requests decode, or even finish, while later prompts prefill).
@@ -108,9 +115,10 @@ class Scheduler:
                 sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
                     for r in decoding) <= budget  # fmt: skip
         rounds = self._rounds(decoding, chain) if verify_after else 1
-        for req in list(self.running):
-            if req.status != Status.RUNNING:  # preempted earlier in this loop
-                continue
+        # running requests with no row in this step yet, in order (the preemption victims)
+        self._unscheduled = list(self.running)
+        while self._unscheduled:
+            req = self._unscheduled.pop(0)
             if self.pause_decoding and not req.in_prefill:
                 continue
             row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
@@ -127,7 +135,7 @@ class Scheduler:
             req = self.waiting[0]
             row = self._row_for(req, None, budget)
             need = self.blocks.pages_for(row.context_len) - len(req.pages)
-            if not self.blocks.can_allocate(need):
+            if not self.blocks.can_allocate(self._admission_pages(req, need)):
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -184,10 +192,31 @@ class Scheduler:
         return RowPlan(req.req_id, RowKind.VERIFY, tokens, last, 0, [],
                        num_drafts=len(req.drafts), num_steps=1 if req.drafts else chain)
 
+    def _shortfall(self, req: Request) -> int:
+        """Pages req lacks for its whole prompt (and committed tokens), its drafts and
+        ``headroom_tokens`` more."""
+        tokens = req.num_tokens + len(req.drafts) + self.headroom_tokens
+        return max(0, self.blocks.pages_for(tokens) - len(req.pages))
+
+    def _admission_pages(self, req: Request, need: int) -> int:
+        """Free pages needed to admit req whose first row needs ``need``: with headroom, also
+        what it and every running request lack for one more plan. An empty batch admits on
+        ``need`` alone (nobody to keep room for; a request too large for the pool then
+        preempts itself, never waits forever)."""
+        if not self.headroom_tokens or not self.running:
+            return need
+        return max(need, self._shortfall(req)) + sum(self._shortfall(r) for r in self.running)
+
     def _ensure_pages(self, req: Request, context_len: int) -> bool:
+        """Pages for req's row, preempting while they run out: among req and the requests
+        with no row in this step yet, the one with the least KV computed (the cheapest to
+        recompute; the newest on a tie). False if req itself was preempted."""
         need = self.blocks.pages_for(context_len) - len(req.pages)
         while not self.blocks.can_allocate(need):
-            victim = self.running[-1]
+            candidates = [req, *self._unscheduled]
+            victim = min(reversed(candidates), key=lambda r: r.num_computed)
+            if victim is not req:
+                self._unscheduled.remove(victim)
             self._preempt(victim)
             if victim is req:
                 return False

@@ -44,6 +44,9 @@ class EngineArgs(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=32)
     max_model_len: int | None = Field(None, ge=1)
+    # pages kept free at admission for the running requests' next plan, in tokens (None: one
+    # plan's worth, 0: none; SchedulerConfig.admission_headroom_tokens)
+    admission_headroom_tokens: int | None = Field(None, ge=0)
     # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
     spec_options: dict[str, Any] = Field(default_factory=dict)
 

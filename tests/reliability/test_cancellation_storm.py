@@ -25,8 +25,10 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir: str, num_pages: int = 32) -> LLMEngine:
+    # no admission headroom: requests must really be preempted (one of the abort moments)
     cfg = build_engine_config(model_dir, spec_mode="aspire", num_pages=num_pages, page_size=16,
-                              max_num_batched_tokens=64, calibrate="off", **SPARSE)
+                              max_num_batched_tokens=64, calibrate="off",
+                              admission_headroom_tokens=0, **SPARSE)  # fmt: skip
     return LLMEngine(cfg)
 
 

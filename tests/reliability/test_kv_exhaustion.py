@@ -18,9 +18,11 @@ SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 MAX_STEPS = 5000  # a stuck request fails the test instead of hanging it
 
 
-def _run(model_dir: str, mode: str, num_pages: int) -> tuple[LLMEngine, dict[str, list[int]]]:
+def _run(model_dir: str, mode: str, num_pages: int,
+         headroom: int | None = None) -> tuple[LLMEngine, dict[str, list[int]]]:  # fmt: skip
     cfg = build_engine_config(model_dir, spec_mode=mode, num_pages=num_pages, page_size=16,
-                              max_num_batched_tokens=64, calibrate="off", **SPARSE)
+                              max_num_batched_tokens=64, calibrate="off",
+                              admission_headroom_tokens=headroom, **SPARSE)  # fmt: skip
     engine = LLMEngine(cfg)
     prompts = random_prompts(NUM_REQUESTS, [PROMPT_LEN - 7, PROMPT_LEN, PROMPT_LEN + 9],
                              vocab=256, seed=11)
@@ -51,12 +53,16 @@ def unloaded(tiny_model_dir) -> dict[str, list[int]]:
     return done
 
 
+@pytest.mark.parametrize("headroom", [0, None], ids=["no-headroom", "headroom"])
 @pytest.mark.parametrize("mode", ["ar", "aspire"])
-def test_exhausted_pool_completes_exactly(tiny_model_dir, unloaded, mode):
-    engine, got = _run(tiny_model_dir("llama"), mode, num_pages=14)
+def test_exhausted_pool_completes_exactly(tiny_model_dir, unloaded, mode, headroom):
+    # without admission headroom the requests are preempted and recomputed; with it (the
+    # default) they wait instead; either way every one completes exactly
+    engine, got = _run(tiny_model_dir("llama"), mode, num_pages=14, headroom=headroom)
     assert len(got) == NUM_REQUESTS
     assert all(len(t) == NEW_TOKENS for t in got.values())
     assert got == unloaded
-    assert engine.scheduler.num_preemptions > 0
+    if headroom == 0:
+        assert engine.scheduler.num_preemptions > 0
     if mode == "aspire":
         assert any("draft" in k for k in engine.stats()["step_kinds"]), "never drafted"
