@@ -221,11 +221,11 @@ class SpecConfig:
         steps, or ``rounds_per_plan`` rounds of at most drafts + 1 positions each (a fixed
         gamma's drafts, else up to max_drafts, and the verification's one more)."""
         if not self.speculative:
-            return self.ar_chain
+            return self.ar_chain  # decode chains run in `ar` only
         rounds = self.rounds_per_plan if self.synchronized else 1
         drafts = min(self.gamma, self.max_drafts) if self.mode_spec.gamma_rule == "fixed" \
             else self.max_drafts  # fmt: skip
-        return max(self.ar_chain, (drafts + 1) * rounds)
+        return (drafts + 1) * rounds
 
     @property
     def max_drafts(self) -> int:

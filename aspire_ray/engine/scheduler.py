@@ -5,9 +5,8 @@ Each step every running request gets at most one row: a prefill chunk (catching
 picks (draft / verify / idle). Waiting requests are admitted FCFS while the token budget,
 ``max_num_seqs`` and free pages allow, keeping free what every running request (and the new
 one) lacks for its whole prompt and one more plan (``headroom_tokens``). When pages still run
-out, a request not yet
-scheduled this step is preempted, the one with the least KV to recompute (a long prompt is
-the last resort): its pages are freed and it is recomputed later.
+out, a request not yet scheduled this step is preempted, the one with the least KV to
+recompute (a long prompt is the last resort): its pages are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -130,12 +129,18 @@ class Scheduler:
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
         # no admissions beside a chain (a request it preempted waits for the next step)
+        reserve = None  # pages the running requests lack for one more plan (headroom)
         while chain == 1 and not verify_after and self.waiting and budget > 0 \
                 and len(self.running) < self.cfg.max_num_seqs:  # fmt: skip
             req = self.waiting[0]
             row = self._row_for(req, None, budget)
             need = self.blocks.pages_for(row.context_len) - len(req.pages)
-            if not self.blocks.can_allocate(self._admission_pages(req, need)):
+            if self.headroom_tokens and self.running:
+                if reserve is None:  # once per step: O(running), not per admission
+                    reserve = sum(self._shortfall(r) for r in self.running)
+                if not self.blocks.can_allocate(max(need, self._shortfall(req)) + reserve):
+                    break
+            elif not self.blocks.can_allocate(need):  # an empty batch admits on need alone
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -145,6 +150,8 @@ class Scheduler:
             req.pages += self.blocks.allocate(req.req_id, need)
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
+            if reserve is not None:
+                reserve += self._shortfall(req)  # what it still lacks, now that it runs
         self._step_id += 1
         plan = StepPlan(self._step_id, rows, new_requests, self._dropped)
         self._dropped = []
@@ -194,18 +201,11 @@ class Scheduler:
 
     def _shortfall(self, req: Request) -> int:
         """Pages req lacks for its whole prompt (and committed tokens), its drafts and
-        ``headroom_tokens`` more."""
+        ``headroom_tokens`` more. Admission with headroom needs the new request's shortfall
+        plus every running one's free; an empty batch admits on the first row's pages alone
+        (nobody to keep room for; a request too large then preempts itself, never waits)."""
         tokens = req.num_tokens + len(req.drafts) + self.headroom_tokens
         return max(0, self.blocks.pages_for(tokens) - len(req.pages))
-
-    def _admission_pages(self, req: Request, need: int) -> int:
-        """Free pages needed to admit req whose first row needs ``need``: with headroom, also
-        what it and every running request lack for one more plan. An empty batch admits on
-        ``need`` alone (nobody to keep room for; a request too large for the pool then
-        preempts itself, never waits forever)."""
-        if not self.headroom_tokens or not self.running:
-            return need
-        return max(need, self._shortfall(req)) + sum(self._shortfall(r) for r in self.running)
 
     def _ensure_pages(self, req: Request, context_len: int) -> bool:
         """Pages for req's row, preempting while they run out: among req and the requests
