@@ -162,6 +162,14 @@ class SpecConfig:
     # returns (tokens after a stop are dropped). One host round trip per chain instead of per
     # step; clients receive up to this many tokens at once. 1: one plan per step.
     ar_chain: int = 8
+    # Modes where each request verifies at its own pace (aspire, aspire_fsm): in a greedy
+    # batch where every request decodes and nobody waits, this many steps run as one plan (an
+    # asynchronous run, ``RowPlan.async_gamma``): each request keeps the draft length chosen
+    # when the plan starts, drafting until it holds that many and then verifying, every step
+    # one forward of all rows. On a GPU the steps replay graphs that plan themselves on the
+    # device (worker/async_graphs.py), one host sync per plan; the draft lengths see the
+    # plan's verifications from the next plan on. 1: one plan per step.
+    async_steps: int = 16
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES,
@@ -184,6 +192,8 @@ class SpecConfig:
         _require(1 <= self.rounds_per_plan <= 64,
                  f"rounds_per_plan must be in [1, 64], got {self.rounds_per_plan}")
         _require(1 <= self.ar_chain <= 64, f"ar_chain must be in [1, 64], got {self.ar_chain}")
+        _require(1 <= self.async_steps <= 64,
+                 f"async_steps must be in [1, 64], got {self.async_steps}")
         _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
 
     def sparse_budget(self, num_pages: int) -> int:
@@ -219,13 +229,16 @@ class SpecConfig:
     def plan_growth_tokens(self) -> int:
         """Most tokens one plan can add to a request's KV: a decode chain's ``ar_chain``
         steps, or ``rounds_per_plan`` rounds of at most drafts + 1 positions each (a fixed
-        gamma's drafts, else up to max_drafts, and the verification's one more)."""
+        gamma's drafts, else up to max_drafts, and the verification's one more), or an
+        asynchronous run's ``async_steps`` steps (each moves a request on by one position at
+        most) and one more."""
         if not self.speculative:
             return self.ar_chain  # decode chains run in `ar` only
-        rounds = self.rounds_per_plan if self.synchronized else 1
         drafts = min(self.gamma, self.max_drafts) if self.mode_spec.gamma_rule == "fixed" \
             else self.max_drafts  # fmt: skip
-        return (drafts + 1) * rounds
+        if not self.synchronized:
+            return max(drafts + 1, self.async_steps + 1)
+        return (drafts + 1) * self.rounds_per_plan
 
     @property
     def max_drafts(self) -> int:

@@ -62,6 +62,12 @@ class RowPlan:
     # worker, each num_steps drafts and their verification, each starting after the tokens
     # the last one committed; no engine round trip between them (RowResult.rounds)
     num_rounds: int = 1
+    # DRAFT with async_gamma = g (an asynchronous run, ``aspire``): num_steps steps in which
+    # the row drafts one token while it holds fewer than g drafts and otherwise verifies them
+    # ([x_n, d_1..d_d], then drafts again after the tokens that verification committed);
+    # verify_after holds the tokens known when the run starts, [x_n, d_1..d_d0]; the result's
+    # ``verified`` and ``rounds`` hold the run's segments (``async_kinds``)
+    async_gamma: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +82,17 @@ class RowPlan:
         """KV context after the row's last step (the pages it needs)."""
         round_end = self.context_len + self.num_steps - 1 + (self.verify_after is not None)
         return round_end + (self.num_rounds - 1) * (self.num_steps + 1)  # rounds accepting all
+
+    def async_kinds(self) -> list[int]:
+        """The steps of an asynchronous run (``async_gamma``): -1 where the row drafts, else
+        the number of drafts it verifies (the step's queries are that plus one). Known before
+        the run: it follows the drafts held, never what the verifications accept."""
+        held, kinds = len(self.verify_after) - 1, []
+        for _ in range(self.num_steps):
+            verifies = held >= self.async_gamma
+            kinds.append(held if verifies else -1)
+            held = 0 if verifies else held + 1
+        return kinds
 
     def next_round(self, committed: list[int]) -> RowPlan:
         """The row of the round after this one (``num_rounds``), given the tokens this one's
@@ -132,7 +149,8 @@ class RowResult:
     num_accepted: int = 0  # VERIFY: drafts accepted
     verified: RowResult | None = None  # DRAFT with verify_after: the verify row's result
     # DRAFT with num_rounds > 1: the results of the rounds after the first, in order (each a
-    # DRAFT result with its ``verified``)
+    # DRAFT result with its ``verified``). An asynchronous run: its segments after the first,
+    # each the drafts made and the verification that ended it (the last one's may be None)
     rounds: list[RowResult] = field(default_factory=list)
 
 
@@ -146,9 +164,28 @@ class StepOutput:
 
 def rounds_of(row: RowPlan, res: RowResult) -> Iterator[tuple[RowPlan, RowResult]]:
     """(row, result) of each round a plan row ran, in order: the row itself, then for a row
-    of several rounds (``num_rounds``) each next round's row and result."""
+    of several rounds (``num_rounds``) each next round's row and result. An asynchronous run
+    (``async_gamma``): each segment as a DRAFT row whose ``verify_after`` holds the tokens
+    known when it started, its result the drafts it made and the verification that ended it
+    (None: the run ended first)."""
+    if row.async_gamma is not None:
+        yield from _segments_of(row, res)
+        return
     yield row, res
     for result in res.rounds:
         row = row.next_round(res.verified.tokens)
         res = result
         yield row, res
+
+
+def _segments_of(row: RowPlan, res: RowResult) -> Iterator[tuple[RowPlan, RowResult]]:
+    known = list(row.verify_after)
+    x_pos = row.start_pos - (len(known) - 1)  # x_n's position
+    for seg in (res, *res.rounds):
+        yield RowPlan(row.req_id, RowKind.DRAFT, [known[-1]], x_pos + len(known) - 1, 0, [],
+                      num_steps=len(seg.tokens), verify_after=known), seg  # fmt: skip
+        if seg.verified is None:
+            known = known + seg.tokens
+            continue
+        x_pos += len(seg.verified.tokens)
+        known = [seg.verified.tokens[-1]]

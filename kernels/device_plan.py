@@ -5,8 +5,8 @@ copies of its metadata. A draft step of a chain has page lists that only the dev
 (their lengths follow the positions, which move on the device from step to step), so this
 module computes the same work lists from the device metadata with fixed-shape tensor ops: no
 host copies, no device sync, capturable in a CUDA graph. Rows hold one query each (decode and
-draft rows) or gamma + 1 each (a round's verify rows); rows listing no page (a bucket's
-padding) get no work.
+draft rows), gamma + 1 each (a round's verify rows) or ragged counts (an asynchronous run's
+mixed step: ``attention_items``); rows listing no page (a bucket's padding) get no work.
 
 Meaning: for such rows, the items equal ``_host_plan``'s item for item, so the attention's
 split and merge order, and with it every bit of its output, is the host plan's
@@ -46,47 +46,72 @@ def decode_attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, page
     partial row); merge entries (output token, splits, first partial row, partial stride q).
     Row r's queries are tokens r * q .. r * q + q - 1 (padding rows included).
     """
+    r = kv_indptr.shape[0] - 1
+    n_q = torch.full((r,), q, dtype=torch.long, device=kv_indptr.device)
+    bm = _block_m(q, group, cfg)
+    (items, count), merge = attention_items(kv_indptr, last_len, n_q, page_size, group, hkv,
+                                            cfg, num_sms, [bm], capacity, r * q)  # fmt: skip
+    return items, count, *merge
+
+
+def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.Tensor,
+                    page_size: int, group: int, hkv: int, cfg: AttentionConfig, num_sms: int,
+                    block_ms: list[int], capacity: int,
+                    merge_capacity: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Attention work of rows of ``n_q`` queries each (int64 [R]; a step mixing draft rows of
+    one query and verify rows of d + 1), as ``_host_plan`` splits them: one launch per query
+    tile in ``block_ms`` (the tiles any row may need; a row's tile is ``_block_m`` of its
+    queries), rows in order within a launch.
+
+    -> per block_m, (items int64 [6, capacity], count int64 [1]), then (merge entries int64
+    [4, merge_capacity], count int64 [1]). Row r's queries are the tokens from
+    ``cumsum(n_q)[r - 1]``; rows listing no page get no work (and should hold no query).
+    """
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     kv_len = (n_pages - 1) * page_size + last_len.long()
-    tokens = _block_m(q, group, cfg) // group  # query tokens per tile
-    blocks = -(-q // tokens)  # query tiles per row
+    qo_start = torch.cumsum(n_q, 0) - n_q
+    row_bm = _next_power_of_2(n_q * group).clamp(cfg.block_m_min, cfg.block_m_max)
+    tokens = row_bm // group  # query tokens per tile
+    blocks = -(-n_q // tokens)  # query tiles per row
     if cfg.kv_chunk_pages is not None:
         chunk = torch.full_like(n_pages[:1], cfg.kv_chunk_pages)
     else:  # the host's float64 math.ceil(total * hkv / target)
         target = cfg.waves * num_sms
-        total = n_pages.sum().reshape(1) * blocks
+        total = (n_pages * blocks).sum().reshape(1)
         chunk = torch.ceil((total * hkv).double() / target).long().clamp_(min=cfg.min_chunk_pages)
     live = n_pages > 0
-    splits = (n_pages + chunk - 1) // chunk if q <= cfg.split_max_q else live.long()
+    splits = torch.where(n_q <= cfg.split_max_q, (n_pages + chunk - 1) // chunk, live.long())
     splits = torch.where(live, splits.clamp(min=1), 0)
     per = (n_pages + splits - 1) // splits.clamp(min=1)  # pages per chunk, balanced
     splits = torch.where(live, (n_pages + per - 1) // per.clamp(min=1), 0)
     split_rows = splits > 1
-    part_rows = torch.where(split_rows, splits * q, 0)
+    part_rows = torch.where(split_rows, splits * n_q, 0)
     part_base = torch.where(split_rows, torch.cumsum(part_rows, 0) - part_rows, 0)
 
-    # items: for each row, for each query tile b, for each chunk s (b-major)
-    row, local, count = ragged_fixed(splits * blocks, capacity)
-    n_split = splits[row].clamp(min=1)
-    s = local % n_split
-    is_split = split_rows[row]
-    lo = torch.where(is_split, s * per[row] * page_size, 0)
-    hi = torch.where(is_split, torch.minimum((s + 1) * per[row] * page_size, kv_len[row]),
-                     kv_len[row])  # fmt: skip
-    items = torch.stack([row, local // n_split * tokens, lo, hi, torch.where(is_split, s, -1),
-                         part_base[row]])  # fmt: skip
+    out = []
+    for bm in block_ms:  # items: for each row, for each query tile b, for each chunk s
+        row, local, count = ragged_fixed(torch.where(row_bm == bm, splits * blocks, 0), capacity)
+        n_split = splits[row].clamp(min=1)
+        s = local % n_split
+        is_split = split_rows[row]
+        lo = torch.where(is_split, s * per[row] * page_size, 0)
+        hi = torch.where(is_split, torch.minimum((s + 1) * per[row] * page_size, kv_len[row]),
+                         kv_len[row])  # fmt: skip
+        out.append((torch.stack([row, local // n_split * tokens[row], lo, hi,
+                                 torch.where(is_split, s, -1), part_base[row]]), count))
+    # merge entries: each split row's queries, split rows in row order
+    row, t, count = ragged_fixed(torch.where(split_rows, n_q, 0), merge_capacity)
+    merge = torch.stack([qo_start[row] + t, splits[row], part_base[row] + t, n_q[row]])
+    out.append((merge, count))
+    return tuple(out)
 
-    # merge entries: each split row's q tokens, split rows in row order, compacted
-    r = n_pages.shape[0]
-    rows = torch.arange(r, device=n_pages.device)
-    order = torch.cumsum(split_rows.long(), 0) - 1
-    t = torch.arange(q, device=n_pages.device)
-    dest = torch.where(split_rows[:, None], order[:, None] * q + t, r * q)  # others: dropped
-    entries = torch.stack([rows[:, None] * q + t, splits[:, None].expand(-1, q),
-                           part_base[:, None] + t, torch.full_like(t, q).expand(r, -1)])
-    merge = torch.zeros(4, r * q + 1, dtype=torch.long, device=n_pages.device)
-    merge.index_copy_(1, dest.flatten(), entries.flatten(1))
-    return items, count, merge[:, :-1], split_rows.sum().reshape(1) * q
+
+def _next_power_of_2(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each entry of int64 x (1 for x <= 1), in integer ops."""
+    v = (x - 1).clamp(min=0)
+    for shift in (1, 2, 4, 8, 16, 32):
+        v = v | (v >> shift)
+    return v + 1
 
 
 def _block_m(q: int, group: int, cfg: AttentionConfig) -> int:

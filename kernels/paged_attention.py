@@ -33,7 +33,7 @@ import triton.language as tl
 
 # defined without triton (importers that only need the config or checks use that module)
 from .attention_config import DEFAULT_CONFIG, AttentionConfig, check_cache, check_meta, check_q
-from .device_plan import decode_attention_items
+from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
 
@@ -452,6 +452,40 @@ class FixedPlan:
             items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows * blocks
         return cls(group, hkv, num_q_heads, head_dim, [bm], items, rows * q, items * q,
                    device, config, share)
+
+
+    @classmethod
+    def for_rows(cls, rows: int, tokens: int, max_q: int, max_pages: int, num_q_heads: int,
+                 hkv: int, head_dim: int, device: torch.device,
+                 config: AttentionConfig = DEFAULT_CONFIG,
+                 share: FixedPlan | None = None) -> FixedPlan:  # fmt: skip
+        """A plan for ``load_rows``: up to ``rows`` rows of 1..max_q queries each, ``tokens``
+        queries and ``max_pages`` listed pages in all (one launch per query tile; the item
+        bounds of ``for_decode`` with the most query tiles a row may need)."""
+        group = num_q_heads // hkv
+        cfg = _config_for(config, group)
+        n_q = np.arange(1, max_q + 1)
+        blocks = int((-(-n_q // (_block_m(n_q, group, cfg) // group))).max())
+        if cfg.kv_chunk_pages is not None:
+            items = (-(-max_pages // cfg.kv_chunk_pages) + rows) * blocks
+        else:
+            items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows * blocks
+        return cls(group, hkv, num_q_heads, head_dim, block_ms_for(max_q, group, cfg), items,
+                   tokens, items * max_q, device, config, share)
+
+    def load_rows(self, kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.Tensor,
+                  page_size: int) -> None:
+        """Write the plan of rows of n_q (int64 [R]) queries each, their queries in row order
+        (a mixed step: draft rows of one, verify rows of d + 1), from the device metadata, as
+        ``load_decode`` does (no host copy, capturable; sized by ``for_rows``)."""
+        *launches, (merge, n_merge) = attention_items(
+            kv_indptr, last_len, n_q, page_size, self.group, self.hkv, self.config,
+            _num_sms(self.device), self.block_ms, self.segments[0][1], self.segments[-1][1])
+        for launch, (items, count) in zip(self.plan.launches, launches, strict=True):
+            launch.work.copy_(items)
+            launch.count.copy_(count)
+        self.plan.merge.work.copy_(merge)
+        self.plan.merge.count.copy_(n_merge)
 
 
 def block_ms_for(max_q: int, group: int, config: AttentionConfig = DEFAULT_CONFIG) -> list[int]:

@@ -60,9 +60,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
-    VARIANTS, gN (gamma = N), rN (N rounds per plan) or aN (``ar``: N decode steps per plan),
-    or several joined by "+", e.g.
-    "aspire_fixed/round+g8"."""
+    VARIANTS, gN (gamma = N), rN (N rounds per plan), aN (``ar``: N decode steps per plan),
+    sN (``aspire``: N steps per asynchronous run) or dN (d_max = N), or several joined by
+    "+", e.g. "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
@@ -72,11 +72,15 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["rounds_per_plan"] = int(part[1:])
         elif re.fullmatch(r"a\d+", part):  # ar: decode steps per plan
             options["ar_chain"] = int(part[1:])
+        elif re.fullmatch(r"s\d+", part):  # aspire: steps per asynchronous run
+            options["async_steps"] = int(part[1:])
+        elif re.fullmatch(r"d\d+", part):  # the most drafts a request may hold
+            options["d_max"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
         else:
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"{', '.join(v for v in VARIANTS if v)})")
+                             f"sN, dN, {', '.join(v for v in VARIANTS if v)})")
     return spec_mode, options
 
 

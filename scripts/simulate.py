@@ -43,6 +43,7 @@ from aspire_ray.llm import build_engine_config
 from aspire_ray.plan import RowKind, RowPlan, RowResult, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.cost_model import CostCoefficients, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
+from aspire_ray.worker.async_runs import AsyncTrack
 
 MODES = "ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire"
 FIXED = ("magicdec", "specattn", "aspire_fixed")  # the modes a fixed gamma applies to
@@ -104,6 +105,19 @@ class TraceExecutor(Executor):
         a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
         return RowResult(row.req_id, row.kind, target[: a + 1], a)
 
+    def _async(self, i: int, row: RowPlan) -> RowResult:
+        """An asynchronous run, step by step as the worker tracks it: a draft step's token
+        from the trace, a verification's target tokens."""
+        track, p = AsyncTrack(row), self.prompt_lens[i]
+        for step, d in enumerate(track.kinds):
+            if d < 0:  # the draft predicts the position after the last token known
+                track.take(step, [self._draft(i, track.x_pos + len(track.known) - p)])
+                continue
+            o = track.x_pos + 1 - p
+            target = self.tokens[i][o : o + d + 1]
+            track.take(step, target + [-2] * (d + 1 - len(target)))
+        return track.result()
+
     def execute(self, plan: StepPlan) -> StepOutput:
         results, verify_after = [], []
         for row in plan.rows:
@@ -115,6 +129,8 @@ class TraceExecutor(Executor):
                                          [self.tokens[i][o]] if row.sample else []))
             elif row.kind == RowKind.VERIFY:
                 results.append(self._verify(i, row))
+            elif getattr(row, "async_gamma", None) is not None:
+                results.append(self._async(i, row))
             elif getattr(row, "verify_after", None) is None:
                 results.append(RowResult(row.req_id, row.kind,
                                          [self._draft(i, o + s) for s in range(row.num_steps)]))
@@ -131,6 +147,13 @@ class TraceExecutor(Executor):
                         row = row.next_round(rounds[-1].verified.tokens)
                 rounds[0].rounds = rounds[1:]
                 results.append(rounds[0])
+        if plan.rows and getattr(plan.rows[0], "async_gamma", None) is not None:
+            # an asynchronous run: its mean step (at the run's first context), steps times
+            seconds = plan.rows[0].num_steps * self.costs.worker_seconds(
+                *self.policy.run_features(plan.rows), chained=True)  # fmt: skip
+            self.worker_s += seconds
+            self.host_s += self.costs.host_per_plan
+            return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
         # each round: its chain's steps (priced at the plan's first context), its verification
         steps = max(r.num_steps for r in plan.rows)
         rounds = max(r.num_rounds for r in plan.rows)

@@ -65,6 +65,8 @@ class TraceRecorder:
             for row, res in rounds_of(plan_row, plan_res):  # a plan may hold several rounds
                 if getattr(row, "verify_after", None) is not None:  # a chain and its verification
                     row, res = row.verify_row(res.tokens), res.verified
+                    if res is None:  # an asynchronous run's drafts after its last verification
+                        continue
                 if row.kind != RowKind.VERIFY or row.num_drafts == 0:
                     continue
                 req = self.engine.requests.get(row.req_id)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from aspire_ray.executor.base import Executor
 from aspire_ray.plan import RowKind, RowResult, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.draft_policy import DraftPolicy
+from aspire_ray.worker.async_runs import AsyncTrack
 
 TRUE = (2e-3, 5e-5, 3e-7)  # b_model, b_tok, b_kv the fake device "measures" by default
 
@@ -65,6 +66,8 @@ class FakeExecutor(Executor):
             assert math.ceil(row.context_len / self.cfg.cache.page_size) <= len(bt)
             if row.kind == RowKind.VERIFY and row.num_steps > 1:  # an ar decode chain
                 results.append(RowResult(row.req_id, row.kind, [0] * row.num_steps))
+            elif row.async_gamma is not None:
+                results.append(self._async(row))
             elif row.kind == RowKind.VERIFY:
                 assert row.num_tokens == row.num_drafts + 1
                 results.append(self._verify(row))
@@ -74,12 +77,23 @@ class FakeExecutor(Executor):
                 results.append(RowResult(row.req_id, row.kind, [0]))
             else:
                 results.append(RowResult(row.req_id, row.kind, []))
-        seconds = self.seconds(*self.policy.step_features(plan.rows))
+        if plan.rows and plan.rows[0].async_gamma is not None:  # its steps' mean, times them
+            seconds = plan.rows[0].num_steps * self.seconds(*self.policy.run_features(plan.rows))
+        else:
+            seconds = self.seconds(*self.policy.step_features(plan.rows))
         return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
 
     def _verify(self, row) -> RowResult:
         a = row.num_drafts if self.accept else 0
         return RowResult(row.req_id, RowKind.VERIFY, [0] * (a + 1), a)
+
+    def _async(self, row) -> RowResult:
+        """An asynchronous run, step by step as the worker tracks it (drafts are token 0; the
+        target agrees with all of them or none)."""
+        track = AsyncTrack(row)
+        for step, d in enumerate(track.kinds):
+            track.take(step, [0] if d < 0 else [0] * (d + 1) if self.accept else [1] + [0] * d)
+        return track.result()
 
     def _draft(self, row) -> RowResult:
         """num_steps drafts; with verify_after each of num_rounds rounds verified too."""

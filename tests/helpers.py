@@ -78,3 +78,27 @@ def paged_case(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int
     kv = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(device)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(device)
     return q, kv, meta
+
+
+def use_eager_graphs(engine: LLMEngine, draft_graphs: bool = True, graph_tokens: int = 32,
+                     chunk_pages: int = 8):
+    """Put the engine's (CPU) worker on the Triton backend and the GPU's graphs, emulated by
+    re-running each captured step (EagerGraph): the device planning, the fixed buffers and
+    the bucket padding run under Triton's interpreter. chunk_pages: rows over this many
+    pages split, so merges and partial buffers are exercised (the interpreter runs every
+    program in Python: few, to keep tests short); graph_tokens: the largest token bucket.
+    draft_graphs: the self-planning graphs (chains, rounds, asynchronous runs) too, else
+    their steps are planned on the host. -> the worker."""
+    from aspire_ray.attention.triton_backend import TritonBackend
+    from aspire_ray.kernels.paged_attention import AttentionConfig
+    from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
+    from aspire_ray.worker.step_graphs import StepGraphs
+
+    w = engine.executor.worker
+    w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages))
+    w.graphs = PiecewiseGraphs(w.model, w.backend, graph_tokens, w.device, EagerGraph)
+    split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
+    w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
+    w.draft_graphs = w._draft_graphs() if draft_graphs else None
+    w.async_graphs = w._async_graphs() if draft_graphs else None
+    return w

@@ -183,7 +183,7 @@ def test_fit_of_all_zeros_does_not_divide_by_zero():
 
 
 def test_engine_survives_steps_measured_at_zero_seconds():
-    cfg = _cfg(refit_every=4)
+    cfg = _cfg(refit_every=4, async_steps=1)  # a sample per step: enough of them to refit
     engine = LLMEngine(cfg, executor=FakeExecutor(cfg, seconds=lambda n, kv: 0.0))
     _drive(engine, max_tokens=40)
     assert engine.healthy and engine.cost_model.fallbacks > 0
@@ -199,7 +199,7 @@ def test_verify_row_must_fit_the_token_budget():
 
 # ---- prediction error ------------------------------------------------------------------------
 def test_prediction_error_is_tracked_by_step_kind():
-    cfg = _cfg(calibrate="force")
+    cfg = _cfg(calibrate="force", async_steps=1)  # one plan per step: each kind of its own
     engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
     _drive(engine, prompts=5, max_tokens=50, stagger=3)
     err = engine.stats()["cost_model"]["prediction_error"]
@@ -210,8 +210,16 @@ def test_prediction_error_is_tracked_by_step_kind():
     for kind, e in err.items():
         assert e["mean_abs"] < 1e-9, kind
 
+    # asynchronous runs: their mean step is a point of the same model (kept as "mixed")
+    cfg = _cfg(calibrate="force")
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    _drive(engine, prompts=5, max_tokens=50, stagger=3)
+    err = engine.stats()["cost_model"]["prediction_error"]
+    assert engine.stats()["step_kinds"]["async"] > 0
+    assert err["mixed"]["mean_abs"] < 1e-9
+
     # the built-in prior is wrong about this device, and the error says by how much
-    cfg = _cfg(calibrate="off", refit_every=10_000)
+    cfg = _cfg(calibrate="off", refit_every=10_000, async_steps=1)
     engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
     _drive(engine, prompts=5, max_tokens=50, stagger=3)
     err = engine.stats()["cost_model"]["prediction_error"]

@@ -76,7 +76,8 @@ def test_sampled_chains_draw_as_single_draft_steps(tiny_model_dir, mode):
 
 
 def test_no_chains_per_request(tiny_model_dir):
-    _, per_request, per_request_rounds = _run(tiny_model_dir("llama"), "aspire")
+    # one plan per step (its several steps a plan: tests/test_async_runs.py)
+    _, per_request, per_request_rounds = _run(tiny_model_dir("llama"), "aspire", async_steps=1)
     assert set(per_request) == {1} and per_request_rounds == 0
 
 

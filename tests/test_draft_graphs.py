@@ -8,7 +8,7 @@ the device planning, the fixed buffers and bucket padding are what is tested.
 from __future__ import annotations
 
 import pytest
-from helpers import random_prompts, run_staggered
+from helpers import random_prompts, run_staggered, use_eager_graphs
 
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
@@ -20,24 +20,12 @@ SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
 def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool = False,
          **spec):
-    from aspire_ray.attention.triton_backend import TritonBackend
-    from aspire_ray.kernels.paged_attention import AttentionConfig
-    from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
-    from aspire_ray.worker.step_graphs import StepGraphs
-
     cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
                               num_pages=120, attention_backend="triton", max_num_seqs=4,
                               page_size=page_size, **{**SPARSE, **spec})  # fmt: skip
     engine = LLMEngine(cfg)
-    w = engine.executor.worker
-    # 8-page chunks: rows over 8 pages split, so merges and partial buffers are exercised (the
-    # interpreter runs every program in Python: few, to keep this test short)
-    w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=8))
     # 32 tokens: a round's verification of 4 rows of 5 queries fits a bucket
-    w.graphs = PiecewiseGraphs(w.model, w.backend, 32, w.device, EagerGraph)
-    split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
-    w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
-    w.draft_graphs = w._draft_graphs() if draft_graphs else None
+    w = use_eager_graphs(engine, draft_graphs)
     drafts = []
     execute = w.execute
 

@@ -33,6 +33,9 @@ def _engine(seconds=None, calibrate="off", **kw):
         k_min=3,
         recent_pages=1,
         probe_every=PROBE_EVERY,
+        # one plan per step: the policy chooses at every verification (an asynchronous run
+        # keeps the draft length of its start for all its steps)
+        async_steps=1,
         **kw,
     )
     # 32 layers: the refresh layer is 1/32 of a draft row's reads, as in a real model

@@ -93,3 +93,15 @@ def test_sampled_draft_graphs_on_gpu(mode):
     if mode == "ar":
         assert graphed == _run(mode, "float32", temperature=0.8, ar_chain=1)
     assert steps > 20, "sampled draft steps did not replay the draft-step graphs"
+
+
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fsm"])
+def test_async_graphs_on_gpu(mode):
+    # asynchronous runs on the self-planning graphs vs planned on the host vs one plan per
+    # step: the same output as ar (fp32)
+    graphed = _run(mode, "float32")
+    steps = _run.last_worker.async_graphs.steps
+    assert graphed == _run(mode, "float32", draft_graphs=False) == _run(mode, "float32",
+                                                                        async_steps=1)
+    assert graphed == _run("ar", "float32")
+    assert steps > 20, "steps did not replay the asynchronous graphs"

@@ -257,7 +257,9 @@ class LLMEngine:
         kinds = {row.kind for row in rows}
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
         steps = max((row.num_steps for row in rows), default=1)  # a draft chain: its steps
-        if any(row.verify_after is not None for row in rows):
+        if any(row.async_gamma is not None for row in rows):  # an asynchronous run
+            label = "async"
+        elif any(row.verify_after is not None for row in rows):
             # a chain and the verification after it, one plan (or several rounds of them)
             label, steps = "round", max(row.num_rounds for row in rows)
         self.step_kinds[label] += steps
@@ -265,10 +267,13 @@ class LLMEngine:
         # tau is the whole worker step: a draft step's page selection, refresh and sampling
         # are part of what drafting costs (~1.7 ms outside the forward at batch 64, H200)
         if rows and "total" in out.timings and label != "round":
-            n_tokens, kv = self.policy.step_features(rows)
+            # an asynchronous run: its mean step, a point on the same linear model
+            n_tokens, kv = self.policy.run_features(rows) if label == "async" else \
+                self.policy.step_features(rows)  # fmt: skip
             seconds = out.timings["total"] / steps
             model = self.cost_model
-            model.errors.record(_cost_kind(kinds), model.predict(n_tokens, kv), seconds)
+            kind = "mixed" if label == "async" else _cost_kind(kinds)
+            model.errors.record(kind, model.predict(n_tokens, kv), seconds)
             model.add_sample(n_tokens, kv, seconds)
             if self.step_count % self.cfg.spec.refit_every == 0:
                 model.fit()

@@ -98,13 +98,18 @@ class Scheduler:
         new_requests = {}
         decoding = [] if self.pause_decoding else [r for r in self.running if not r.in_prefill]
         caps = [self.draft_cap(r) for r in decoding]
-        decided = self.policy.decide(decoding, caps)
+        alone = bool(decoding) and len(decoding) == len(self.running) and not self.waiting
+        gammas = self._async_gammas(decoding, caps, budget) if alone else None
+        decided = [Action.DRAFT] * len(decoding) if gammas else \
+            self.policy.decide(decoding, caps)  # fmt: skip
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
         # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
         # must not delay admissions); the worker draws its drafts on the device. Its round's
         # verification in the same plan only for greedy batches (verified on the device too).
         chain, verify_after = 1, False
-        if decoding and len(decoding) == len(self.running) and not self.waiting:
+        if gammas:  # an asynchronous run: every request, its own draft length
+            chain = self._async_length(decoding)
+        elif alone:
             if not self.policy.cfg.speculative:
                 chain = self._decode_chain(decoding)
             else:
@@ -120,8 +125,11 @@ class Scheduler:
             req = self._unscheduled.pop(0)
             if self.pause_decoding and not req.in_prefill:
                 continue
-            row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
-                                rounds)  # fmt: skip
+            if gammas:
+                row = self._async_row(req, gammas[req.req_id], chain)
+            else:
+                row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
+                                    rounds)  # fmt: skip
             if row is None:
                 continue
             if not self._ensure_pages(req, row.final_context_len):
@@ -162,6 +170,35 @@ class Scheduler:
         any request still wants, and within every request's room in the context."""
         k = min(self.policy.cfg.ar_chain, max(r.remaining_tokens for r in reqs))
         return max(1, min(k, min(self.max_model_len - r.num_tokens + 1 for r in reqs)))
+
+    def _async_gammas(self, reqs: list[Request], caps: list[int],
+                      budget: int) -> dict[str, int] | None:  # fmt: skip
+        """Each request's draft length for an asynchronous run (``SpecConfig.async_steps``),
+        or None where none runs: a synchronized mode or no drafts, async_steps 1, a sampled
+        request (runs verify greedily on the device), or a step that may not fit the token
+        budget (every request verifying at once, max(held, gamma) + 1 queries each)."""
+        spec = self.policy.cfg
+        if not spec.speculative or spec.synchronized or spec.async_steps == 1 \
+                or not all(r.sampling.greedy for r in reqs):  # fmt: skip
+            return None
+        gammas = self.policy.targets(reqs, caps)
+        if sum(max(len(r.drafts), g) + 1 for r, g in zip(reqs, gammas, strict=True)) > budget:
+            return None
+        return {r.req_id: g for r, g in zip(reqs, gammas, strict=True)}
+
+    def _async_length(self, reqs: list[Request]) -> int:
+        """Steps of an asynchronous run: no more than any request still wants (a step moves a
+        request on by one position at most), within every request's room in the context."""
+        k = min(self.policy.cfg.async_steps, max(r.remaining_tokens for r in reqs))
+        room = min(self.max_model_len - r.num_tokens - len(r.drafts) for r in reqs)
+        return max(1, min(k, room))
+
+    def _async_row(self, req: Request, gamma: int, steps: int) -> RowPlan:
+        """The request's row of an asynchronous run (``RowPlan.async_gamma``)."""
+        token = req.drafts[-1] if req.drafts else req.last_token
+        return RowPlan(req.req_id, RowKind.DRAFT, [token], req.num_tokens - 1 + len(req.drafts),
+                       0, [], num_steps=steps, verify_after=[req.last_token] + req.drafts,
+                       async_gamma=gamma)  # fmt: skip
 
     def _rounds(self, reqs: list[Request], k: int) -> int:
         """Rounds of k drafts of a greedy synchronized batch in one plan

@@ -63,6 +63,19 @@ class DraftPolicy:
         start-up sweep and the online samples."""
         return (sum(r.num_tokens for r in rows), sum(self.row_kv_tokens(r) for r in rows))
 
+    def run_features(self, rows: list[RowPlan]) -> tuple[float, float]:
+        """``step_features`` of the mean step of an asynchronous run (``RowPlan.async_gamma``;
+        each row's context taken at the run's start)."""
+        tokens = kv = 0.0
+        for row in rows:
+            kinds = row.async_kinds()
+            drafts, ctx = kinds.count(-1), row.context_len
+            tokens += drafts + sum(k + 1 for k in kinds if k >= 0)
+            kv += drafts * self.kv_reads.draft(self.sparse_tokens(ctx), ctx) + \
+                (len(kinds) - drafts) * self.kv_reads.full(ctx)  # fmt: skip
+        steps = max(row.num_steps for row in rows)
+        return tokens / steps, kv / steps
+
     def target(self, req: Request, batch: int) -> int:
         """The draft length this request aims for before verifying (the mode's gamma rule,
         ``config.MODES``); ``decide`` clamps it to ``max_drafts``."""
@@ -84,13 +97,17 @@ class DraftPolicy:
             gamma = 1  # probe: one draft, verified next step, feeds alpha and the cost model
         return gamma
 
+    def targets(self, reqs: list[Request], caps: list[int]) -> list[int]:
+        """Each decoding request's draft length, clamped to max_drafts and to its cap."""
+        return [min(self.target(r, len(reqs)), self.cfg.max_drafts, cap)
+                for r, cap in zip(reqs, caps, strict=True)]  # fmt: skip
+
     def decide(self, reqs: list[Request], caps: list[int]) -> list[Action]:
         """reqs: decoding requests; caps[i]: most drafts request i may still hold (stop limits)."""
         if not self.cfg.speculative:
             return [Action.VERIFY] * len(reqs)
         batch = len(reqs)
-        targets = [min(self.target(r, batch), self.cfg.max_drafts, cap)
-                   for r, cap in zip(reqs, caps, strict=True)]  # fmt: skip
+        targets = self.targets(reqs, caps)
         if self.cfg.synchronized:
             if all(len(r.drafts) >= t for r, t in zip(reqs, targets, strict=True)):
                 return [Action.VERIFY] * batch

@@ -149,6 +149,18 @@ class PiecewiseGraphs:
             self.run_captures(pieces)  # eager once: JIT compiles, the stream's cuBLAS workspace
             self.graphs[n], self.hidden[n] = self.run_captures(pieces, capture=True)
 
+    def capture_idle(self, fn, idle: list[torch.Tensor]):
+        """fn (a self-planning step) run once eagerly, then captured into one graph, each time
+        with the ``idle`` buffers zeroed (they say which rows are live: none, so neither run
+        writes KV or scores) -> (the graph, its output)."""
+        for t in idle:
+            t.zero_()
+        self.run_captures([fn])
+        for t in idle:
+            t.zero_()
+        (graph,), out = self.run_captures([fn], capture=True)
+        return graph, out
+
     def run_captures(self, fns: list, capture: bool = False):
         """Run ``fns`` in order on the capture stream: eagerly (capture=False), or each captured
         into a new graph -> (graphs, the last one's output)."""

@@ -153,10 +153,7 @@ class DraftStepGraphs:
                 self.chain[n] = torch.zeros(max(self.max_steps, 1), n, dtype=torch.int64,
                                             device=p.device)  # fmt: skip
             fn = lambda: self._step(n, variant, kv_caches)  # noqa: E731
-            self.state[n].zero_()  # no live row: the warm-up run and the capture write nothing
-            p.run_captures([fn])
-            self.state[n].zero_()
-            (graph,), _ = p.run_captures([fn], capture=True)
+            graph, _ = p.capture_idle(fn, [self.state[n]])
         self.graphs[n, variant] = graph
 
     # ---- the captured step ---------------------------------------------------------------------

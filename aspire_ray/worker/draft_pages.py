@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import score_items
+
+from .page_table import gather_lists
 
 
 class PageScoreTable:
@@ -114,3 +117,38 @@ def listed_page_scores(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
     j = torch.arange(width, device=q.device)[None, :]
     at = (meta.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
     return torch.where(j < pages[:, None], page_scores[at], 0.0)
+
+
+def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor,
+                       scale: float, table: torch.Tensor, scores: PageScoreTable,
+                       first: torch.Tensor, last: torch.Tensor, seen_first: torch.Tensor,
+                       seen_last: torch.Tensor, live: torch.Tensor, slot: torch.Tensor,
+                       row_slot: torch.Tensor, pool_pages: int,
+                       single: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Rows' page scores from their first and last query, averaged as
+    ``PageScoreTable.store`` averages them, into the rows' slots of the score table (padding
+    rows: its scratch row); planned on the device (CUDA graphs). q [T, Hq, D], lse [T, Hq]:
+    the layer's queries; first, last: int64 [n] token indices; seen_first, seen_last: int64
+    [n] KV tokens each one sees; table: int32 [slots, W] the page table; live, slot,
+    row_slot: int64 / bool [n]; single: bool [n], rows of one query (scored from it alone,
+    their second query listing no page: draft rows read the KV once)."""
+    n, ps, width = first.shape[0], kv_cache.shape[2], table.shape[1]
+    which = torch.stack([first, last], dim=1).flatten()  # [2n] token index
+    seen = torch.stack([seen_first, seen_last], dim=1).flatten()
+    live2 = live.repeat_interleave(2)
+    if single is not None:  # a single row's second query: no page, no work
+        live2 = live2 & ~torch.stack([torch.zeros_like(single), single], dim=1).flatten()
+    pages = torch.where(live2, (seen + ps - 1) // ps, 0)
+    last_len = torch.where(live2, seen - (pages - 1) * ps, 1).int()
+    j = torch.arange(width, device=q.device)[None, :]
+    cap = 2 * pool_pages  # a row's pages, listed by both its queries
+    indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
+                                   row_slot.repeat_interleave(2), cap)  # fmt: skip
+    meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=q.device), indptr,
+                       indices, last_len, ps)  # fmt: skip
+    per_query = listed_page_scores(backend, q[which], lse[which].contiguous(), kv_cache, meta,
+                                   scale, pages, scores.width).view(n, 2, -1)  # fmt: skip
+    rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
+    if single is not None:
+        rows = torch.where(single[:, None], per_query[:, 0], rows)
+    scores.scores.index_copy_(0, torch.where(live, slot, scores.scratch), rows)

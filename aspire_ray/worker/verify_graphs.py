@@ -30,7 +30,7 @@ import torch
 
 from aspire_ray.kernels import PagedKVMeta
 
-from .draft_pages import listed_page_scores
+from .draft_pages import rescore_first_last
 from .page_table import gather_lists
 
 if TYPE_CHECKING:
@@ -69,11 +69,7 @@ class VerifyGraphs:
         with torch.inference_mode():
             p.inputs_for(t, kv_caches)
             fn = lambda: self._step(n, q, t, kv_caches)  # noqa: E731
-            state.zero_()  # no live row: the warm-up run and the capture write nothing
-            start.zero_()
-            p.run_captures([fn])
-            state.zero_()
-            (graph,), out = p.run_captures([fn], capture=True)
+            graph, out = p.capture_idle(fn, [state, start])
         self.graphs[n, q], self.argmax[n, q] = graph, out
 
     def replay(self, n: int, q: int) -> torch.Tensor:
@@ -142,24 +138,9 @@ class VerifyGraphs:
     def _rescore(self, n: int, q: int, lse: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                  start_pos: torch.Tensor, live: torch.Tensor, slot: torch.Tensor,
                  row_slot: torch.Tensor) -> None:  # fmt: skip
-        """Rows' page scores from their first and last query (each over the pages it sees),
-        averaged as ``PageScoreTable.store`` averages them; padding rows write the scratch row."""
-        d, p = self.drafts, self.pieces
-        table, scores, dev = d.page_table.table, d.scores, lse.device
-        ps, width = kv_cache.shape[2], table.shape[1]
-        first = torch.arange(n, device=dev) * q
-        which = torch.stack([first, first + q - 1], dim=1).flatten()  # [2n] token index
-        visible = torch.stack([start_pos + 1, start_pos + q], dim=1).flatten()
-        live2 = live.repeat_interleave(2)
-        pages = torch.where(live2, (visible + ps - 1) // ps, 0)
-        last = torch.where(live2, visible - (pages - 1) * ps, 1).int()
-        j = torch.arange(width, device=dev)[None, :]
-        cap = 2 * d._pool_pages  # a row's pages, listed by both its queries
-        indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
-                                       row_slot.repeat_interleave(2), cap)  # fmt: skip
-        meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=dev), indptr,
-                           indices, last, ps)  # fmt: skip
-        per_query = listed_page_scores(p.backend, p.q[which], lse[which].contiguous(), kv_cache,
-                                       meta, scale, pages, scores.width).view(n, 2, -1)  # fmt: skip
-        rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
-        scores.scores.index_copy_(0, torch.where(live, slot, scores.scratch), rows)
+        """Rows' page scores from their first and last query (each over the pages it sees)."""
+        d = self.drafts
+        first = torch.arange(n, device=lse.device) * q
+        rescore_first_last(self.pieces.backend, self.pieces.q, lse, kv_cache, scale,
+                           d.page_table.table, d.scores, first, first + q - 1, start_pos + 1,
+                           start_pos + q, live, slot, row_slot, d._pool_pages)  # fmt: skip

@@ -35,6 +35,8 @@ from aspire_ray.plan import (
 from aspire_ray.tp import TPGroup, single_rank
 
 from . import rejection_sampler, sampler
+from .async_graphs import AsyncStepGraphs
+from .async_runs import run_async
 from .cuda_graphs import PiecewiseGraphs
 from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
@@ -91,6 +93,7 @@ class Worker:
         self.graphs = self._graphs()
         self.step_graphs = self._step_graphs()
         self.draft_graphs = self._draft_graphs()
+        self.async_graphs = self._async_graphs()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -138,6 +141,19 @@ class Worker:
         max_steps = spec.max_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
                                self.page_table, self.scores, rows, max_steps=max_steps)
+
+    def _async_graphs(self) -> AsyncStepGraphs | None:
+        """Self-planning graphs of asynchronous runs (``aspire``, ``aspire_fsm``): a page
+        policy that reads scores must refresh while drafting (every row then rescores at the
+        refresh layer), one that does not must not."""
+        spec = self.cfg.spec
+        if self.step_graphs is None or not self.cfg.draft_graphs or not spec.speculative \
+                or spec.synchronized or spec.async_steps == 1 \
+                or self.selector.uses_scores != spec.refresh_while_drafting:  # fmt: skip
+            return None
+        return AsyncStepGraphs(self.step_graphs, self.selector, self.refresh_layer,
+                               self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
+                               spec.max_drafts)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -209,6 +225,12 @@ class Worker:
             total = time.perf_counter() - t0
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
                                                  "total": total, "refresh": 0.0})
+        if plan.rows[0].async_gamma is not None:
+            results, wait, refresh = run_async(self, plan.rows)
+            total = time.perf_counter() - t0
+            return StepOutput(plan.step_id, results, {"prepare": total - wait, "forward": wait,
+                                                      "sample": 0.0, "total": total,
+                                                      "refresh": refresh})  # fmt: skip
         steps = max(row.num_steps for row in plan.rows)
         if steps > 1 or plan.rows[0].verify_after is not None:
             return self._execute_chain(plan.step_id, plan.rows, steps, t0)
@@ -446,9 +468,12 @@ class Worker:
                 self.step_graphs.capture_all(self.kv_caches)
                 if self.draft_graphs is not None:
                     self.draft_graphs.capture_all(self.kv_caches, verify_steps=spec.gamma)
+                if self.async_graphs is not None:
+                    self.async_graphs.capture_all(self.cfg.scheduler.max_num_seqs,
+                                                  self.kv_caches)  # fmt: skip
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e)
-                self.graphs = self.step_graphs = self.draft_graphs = None
+                self.graphs = self.step_graphs = self.draft_graphs = self.async_graphs = None
         max_d = self.max_q - 1
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them
         ctx = min(64 * ps + 1, (self.num_pages // 2) * ps - max_d - 1)

@@ -9,9 +9,20 @@ from helpers import paged_case
 
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.attention_config import AttentionConfig
-from aspire_ray.kernels.device_plan import decode_attention_items, ragged_fixed, score_items
+from aspire_ray.kernels.device_plan import (
+    attention_items,
+    decode_attention_items,
+    ragged_fixed,
+    score_items,
+)
 from aspire_ray.kernels.page_scores import BLOCK_N, _host_work, token_max_probs
-from aspire_ray.kernels.paged_attention import FixedPlan, _host_plan, _num_sms, paged_attention
+from aspire_ray.kernels.paged_attention import (
+    FixedPlan,
+    _host_plan,
+    _num_sms,
+    block_ms_for,
+    paged_attention,
+)
 
 PS = 16
 CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0),
@@ -90,3 +101,45 @@ def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg, n_q):
     scores = token_max_probs(q_pad, lse, kv, fixed, 0.125, work=(work[0].int(), work[1].int()))
     nnz = meta.kv_indices.shape[0]
     assert torch.equal(scores[:nnz], token_max_probs(q, lse_expected, kv, meta, 0.125))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("n_q", [[1, 6, 1, 3, 1], [2, 1, 1, 17], [1]])  # a mixed step's rows
+def test_ragged_rows_equal_the_host_plan(cfg, n_q):
+    """Draft rows (one query) and verify rows (d + 1) of one step: every launch's items and
+    the merge, item for item the host plan's, with a padding row (no page, no query) behind."""
+    pages = [40, 3, 200, 9, 65][: len(n_q)]
+    lasts = np.random.default_rng(len(n_q)).integers(1, PS + 1, len(n_q)).tolist()
+    meta = PagedKVMeta.build(n_q, [list(range(p)) for p in pages],
+                             [(p - 1) * PS + la for p, la in zip(pages, lasts, strict=True)], PS)
+    group, hkv = 4, 2
+    host = _host_plan(meta, group, hkv, cfg, torch.device("cpu"))
+    cfg_bms = block_ms_for(17, group, cfg)
+    indptr = torch.tensor(meta.kv_indptr_host + [meta.kv_indptr_host[-1]])
+    last = torch.tensor(lasts + [1])
+    *launches, (merge, n_merge) = attention_items(
+        indptr, last, torch.tensor(n_q + [0]), PS, group, hkv, cfg,
+        _num_sms(torch.device("cpu")), cfg_bms, 512, 64)
+    for bm, (items, count) in zip(cfg_bms, launches, strict=True):
+        expected = host.items.get(bm, np.zeros((6, 0), np.int64))
+        assert count.item() == expected.shape[1]
+        assert np.array_equal(items[:, : count.item()].numpy(), expected)
+    assert n_merge.item() == host.merge.shape[1]
+    assert np.array_equal(merge[:, : n_merge.item()].numpy(), host.merge)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
+    heads, n_q = (8, 2, 64), [1, 4, 1, 2]
+    q, kv, meta = paged_case(n_q, [700, 33, 260, 90], heads, torch.float32, "cpu", PS, True, 5)
+    expected, lse_expected = paged_attention(q, kv, meta, 0.125, return_lse=True, config=cfg)
+    plan = FixedPlan.for_rows(5, 16, 5, kv.shape[0], *heads, torch.device("cpu"), cfg)
+    indptr = torch.cat([meta.kv_indptr, meta.kv_indptr[-1:]])  # and one padding row
+    last = torch.cat([meta.kv_last_page_len, torch.ones(1, dtype=torch.int32)])
+    plan.load_rows(indptr, last, torch.tensor(n_q + [0]), PS)
+    qo = torch.cat([meta.qo_indptr, meta.qo_indptr[-1:]])
+    fixed = PagedKVMeta(qo, indptr.int(), meta.kv_indices, last.int(), PS, fixed_plan=plan)
+    q_pad = torch.cat([q, torch.zeros_like(q[:3])])  # the token bucket's padding
+    out, lse = paged_attention(q_pad, kv, fixed, 0.125, return_lse=True, config=cfg)
+    assert torch.equal(out[: q.shape[0]], expected)
+    assert torch.equal(lse[: q.shape[0]], lse_expected)

@@ -1,0 +1,261 @@
+"""An asynchronous run's steps as CUDA graphs that plan themselves on the device (issue 14
+items 1-3 for ``aspire``; ``async_runs.py`` says what a run is).
+
+A step of a run mixes draft rows (one query, sparse page lists) and verify rows (d + 1 queries
+[x_n, d_1..d_d], every page) in one forward. Everything it needs follows from a few numbers
+per row kept on the device, so one graph per (row bucket n, token bucket t) runs the whole
+step, its planning included:
+
+    state    per row: page-table slot, flags, draft length g, drafts held d, x_n and its
+             position p; the pending drafts (chain [max_drafts, n])
+    plan     a row verifies when d >= g: its queries (1 or d + 1) and their tokens, positions
+             and KV slots; page lists (draft rows: the policy's sparse list with its top-k
+             middle chosen from the score table; verify rows: every page) and the attention
+             work of rows of ragged queries (``FixedPlan.load_rows``)
+    l_r      with a scored policy (refresh while drafting): every row attends to all its
+             pages and rescores them (draft rows from their query, verify rows from their
+             first and last); draft rows' middles are re-chosen from the new scores for the
+             layers after l_r
+    accept   draft rows: the argmax joins their drafts; verify rows: a = the longest prefix
+             of drafts equal to the argmax, then x_n = argmax[a] at p + a + 1, no drafts held
+
+The host knows each step's queries before the run (``RowPlan.async_kinds``), so it picks each
+step's token bucket, uploads the rows' numbers once and replays one graph per step; each
+step's argmax is copied out for the host's bookkeeping, and the run syncs once.
+
+Padding rows (flags 0) hold no query and no page; tokens past a step's last query are the
+token bucket's padding (no KV written, no work item).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.device_plan import ragged_fixed
+from aspire_ray.kernels.host import upload
+from aspire_ray.plan import RowPlan
+
+from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last
+from .page_selector import PageSelector
+from .page_table import PageTable, gather_lists
+from .step_graphs import StepGraphs
+
+if TYPE_CHECKING:
+    from aspire_ray.kernels.paged_attention import FixedPlan
+
+_LIVE, _SCORED = 1, 2  # row flag bits: a real row; its request has page scores
+# rows of the state: slot, flags, draft length, drafts held, x_n, its position
+_SLOT, _FLAGS, _GAMMA, _HELD, _X, _XPOS = range(6)
+
+
+class AsyncStepGraphs:
+    def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
+                 page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
+                 max_drafts: int) -> None:  # fmt: skip
+        """selector: the draft page policy; with one that reads scores (scores given) every
+        row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
+        the most drafts a row holds (a verify row has one query more)."""
+        self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
+        self.model = self.pieces.model
+        self.selector, self.refresh_layer = selector, refresh_layer
+        self.scoring = scores is not None
+        self.page_table, self.scores = page_table, scores
+        self.max_drafts, self.max_q = max_drafts, max_drafts + 1
+        self.row_buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
+        self.state: dict[int, torch.Tensor] = {}  # n -> int64 [6, n]
+        self.chain: dict[int, torch.Tensor] = {}  # n -> int64 [max_drafts, n]: pending drafts
+        self.graphs: dict[tuple[int, int], object] = {}  # (n, t) -> graph
+        self.argmax: dict[tuple[int, int], torch.Tensor] = {}  # (n, t) -> int64 [t] output
+        self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
+        self._key = None
+        self._pool_pages = 0
+        self.steps = 0  # steps replayed
+
+    def fits(self, rows: int, layout: list[list[int]]) -> bool:
+        """Whether a run of ``rows`` rows with these queries per step (``layout[s][r]``) has
+        graphs: a row bucket, and a token bucket for every step."""
+        n = next((b for b in self.row_buckets if b >= rows), None)
+        return n is not None and all(self.pieces.bucket(sum(q)) is not None for q in layout) \
+            and max(max(q) for q in layout) <= self.max_q  # fmt: skip
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:
+        scores = self.scores.scores if self.scores is not None else None
+        return (kv_caches[0].data_ptr(), self.page_table.table.data_ptr(),
+                tuple(self.page_table.table.shape),
+                None if scores is None else (scores.data_ptr(), tuple(scores.shape)))
+
+    def ensure(self, n: int, t: int, kv_caches: list[torch.Tensor]) -> None:
+        """Graph (n, t), captured against the current tables (recaptured if they moved)."""
+        key = self._tables_key(kv_caches)
+        if key != self._key:
+            self.graphs.clear()
+            self.argmax.clear()
+            self.plans.clear()  # capacities follow the pool
+            self._key, self._pool_pages = key, kv_caches[0].shape[0]
+        if (n, t) in self.graphs:
+            return
+        p = self.pieces
+        with torch.inference_mode():
+            p.inputs_for(t, kv_caches)
+            if n not in self.state:
+                self.state[n] = torch.zeros(6, n, dtype=torch.int64, device=p.device)
+                self.chain[n] = torch.zeros(max(self.max_drafts, 1), n, dtype=torch.int64,
+                                            device=p.device)  # fmt: skip
+            fn = lambda: self._step(n, t, kv_caches)  # noqa: E731
+            graph, out = p.capture_idle(fn, [self.state[n]])
+        self.graphs[n, t], self.argmax[n, t] = graph, out
+
+    def capture_all(self, rows: int, kv_caches: list[torch.Tensor]) -> None:
+        """The graphs of ``rows`` rows at every token bucket they may fill (others: on first
+        use)."""
+        n = next((b for b in self.row_buckets if b >= rows), None)
+        if n is None:
+            return
+        for t in reversed(self.pieces.buckets):
+            if n <= t <= n * self.max_q:
+                self.ensure(n, t, kv_caches)
+
+    def _plan(self, n: int, t: int, full: bool) -> FixedPlan:
+        if (n, t, full) not in self.plans:
+            from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
+
+            attn = self.model.layers[0].self_attn
+            largest = max(self.plans.values(), key=lambda p: p.plan.part_rows, default=None)
+            self.plans[n, t, full] = FixedPlan.for_rows(
+                n, t, self.max_q, self._pool_pages, attn.q_heads, attn.kv_heads, attn.head_dim,
+                self.pieces.device, self.step_graphs.config, share=largest)  # fmt: skip
+        return self.plans[n, t, full]
+
+    # ---- the captured step ---------------------------------------------------------------------
+    def _step(self, n: int, t: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        state, chain = self.state[n], self.chain[n]
+        slot, flags, gamma, held, x_id, x_pos = state
+        table = self.page_table.table  # int32 [slots, W]
+        ps, width, dev = kv_caches[0].shape[2], table.shape[1], state.device
+        live = (flags & _LIVE) > 0
+        verify = live & (held >= gamma)
+        n_q = torch.where(verify, held + 1, live.long())  # [n] queries; padding rows none
+        qo = torch.zeros(n + 1, dtype=torch.long, device=dev)
+        qo[1:] = torch.cumsum(n_q, 0)
+
+        # the step's tokens: row r's queries are tokens qo[r] .. qo[r + 1] - 1
+        row, local, total = ragged_fixed(n_q, t)
+        real = torch.arange(t, device=dev) < total
+        held_tok = chain[(local - 1).clamp(0, chain.shape[0] - 1), row]  # d_local
+        last_draft = chain[(held - 1).clamp(min=0), torch.arange(n, device=dev)]
+        draft_in = torch.where(held > 0, last_draft, x_id)  # a draft row's input token
+        tokens = torch.where(verify[row], torch.where(local == 0, x_id[row], held_tok),
+                             draft_in[row])  # fmt: skip
+        positions = torch.where(verify[row], x_pos[row] + local, x_pos[row] + held[row])
+        row_slot = torch.where(live, slot, 0)
+        block = (positions // ps).clamp(0, width - 1)
+        kv_slot = torch.where(real, table[row_slot[row], block].long() * ps + positions % ps, -1)
+        tokens, positions = torch.where(real, tokens, 0), torch.where(real, positions, 0)
+        self.pieces.inputs[t][:, :t].copy_(torch.stack([tokens, positions, kv_slot]))
+
+        # page lists: a row's last query sees x_n's position + d + 1 tokens either way
+        end = x_pos + held + 1
+        pages = torch.where(live, (end + ps - 1) // ps, 0)
+        last = torch.where(live, end - (pages - 1) * ps, 1).int()
+        head_end, n_top, tail_start = self.selector.layout(pages)
+        head_end = torch.where(verify, pages, head_end)  # verify rows: every page
+        n_top = torch.where(verify, 0, n_top)
+        tail_start = torch.where(verify, pages, tail_start)
+        counts = head_end + n_top + (pages - tail_start)
+        j = torch.arange(width, device=dev)[None, :]
+        middle_end = (head_end + n_top)[:, None]
+        logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
+                              torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
+        indptr, template = gather_lists(table, counts, logical, row_slot, self._pool_pages)
+        plan = self._plan(n, t, full=False)
+        plan.load_rows(indptr, last, n_q, ps)
+        meta = PagedKVMeta(qo.int(), indptr, template, last, ps, fixed_plan=plan)
+        choice = None
+        if self.selector.uses_scores:
+            first = int(self.selector.cfg.keep_sink_page)
+            rows = torch.stack([row_slot, tail_start - head_end, n_top,
+                                indptr[:-1].long() + head_end]).int()  # fmt: skip
+            choice = (template, rows, first, width - first)
+            meta.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
+
+        layers, lr, sg = self.model.layers, self.refresh_layer, self.step_graphs
+        if not self.scoring:
+            hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
+        else:
+            sg.layers(t, 0, lr, meta, kv_caches)
+            full_indptr, full_indices = gather_lists(table, pages, j.expand(n, -1), row_slot,
+                                                     self._pool_pages)  # fmt: skip
+            full_plan = self._plan(n, t, full=True)
+            full_plan.load_rows(full_indptr, last, n_q, ps)
+            full = PagedKVMeta(qo.int(), full_indptr, full_indices, last, ps,
+                               fixed_plan=full_plan)  # fmt: skip
+            scale = layers[lr].self_attn.scale
+            p = self.pieces
+            out, lse = p.backend.attention(p.q[:t], kv_caches[lr], full, scale, return_lse=True)
+            p.attn_out[:t].copy_(out)
+            first_q, last_q = qo[:-1].clamp(max=t - 1), (qo[1:] - 1).clamp(0, t - 1)
+            rescore_first_last(p.backend, p.q[:t], lse, kv_caches[lr], scale, table,
+                               self.scores, first_q, last_q, positions[first_q] + 1, end,
+                               live, slot, row_slot, self._pool_pages,
+                               single=~verify)  # fmt: skip
+            post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live), last, ps,
+                               fixed_plan=plan)  # fmt: skip
+            flags.bitwise_or_(live.long() * _SCORED)
+            hidden = sg.layers(t, lr + 1, len(layers), post, kv_caches)
+        argmax = self.model.compute_logits(hidden).argmax(dim=-1)  # [t]
+
+        # draft rows: the argmax joins their drafts; verify rows: the accepted prefix
+        draft = live & ~verify
+        at = qo[:-1].clamp(max=t - 1)
+        cols = torch.arange(n, device=dev)
+        d_at = held.clamp(max=chain.shape[0] - 1)
+        chain[d_at, cols] = torch.where(draft, argmax[at], chain[d_at, cols])
+        k = torch.arange(self.max_q, device=dev)
+        idx = (qo[:-1, None] + k[None, :]).clamp(max=t - 1)  # [n, max_q] a row's tokens
+        match = (argmax[idx[:, :-1]] == tokens[idx[:, 1:]]) & (k[None, :-1] < n_q[:, None] - 1)
+        accepted = match.long().cumprod(dim=1).sum(dim=1)
+        bonus = argmax[idx.gather(1, accepted[:, None])[:, 0]]
+        x_id.copy_(torch.where(verify, bonus, x_id))
+        x_pos.add_(torch.where(verify, accepted + 1, 0))
+        held.copy_(torch.where(verify, 0, held + draft.long()))
+        return argmax
+
+    def _choose(self, choice, has_scores: torch.Tensor) -> torch.Tensor:
+        template, rows, first, max_candidates = choice
+        return choose_top_pages(template, self.page_table.table, self.scores, rows, has_scores,
+                                first, max_candidates)  # fmt: skip
+
+    # ---- one run -------------------------------------------------------------------------------
+    def run(self, rows: list[RowPlan], slots: list[int], scored: list[bool],
+            layout: list[list[int]], kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Replay a run of ``rows`` (``fits``; their pages in the page table; scored: whether
+        their requests have page scores; layout[s][r]: row r's queries at step s) -> each
+        step's argmax over its queries, int64 [sum(layout[s])], on the device, no sync."""
+        n = next(b for b in self.row_buckets if b >= len(rows))
+        buckets = [self.pieces.bucket(sum(q)) for q in layout]
+        if self.scores is not None:  # before the capture check: a resize means a recapture
+            self.scores.ensure_slots(self.page_table.slots)
+            self.scores.ensure_width(self.page_table.width)
+        self.page_table.flush()
+        for t in sorted(set(buckets), reverse=True):
+            self.ensure(n, t, kv_caches)
+        state = np.zeros((6, n), dtype=np.int64)
+        chain = np.zeros((self.chain[n].shape[0], n), dtype=np.int64)
+        for i, row in enumerate(rows):
+            known = row.verify_after
+            state[:, i] = [slots[i], _LIVE | (_SCORED if scored[i] else 0), row.async_gamma,
+                           len(known) - 1, known[0], row.start_pos - (len(known) - 1)]
+            chain[: len(known) - 1, i] = known[1:]
+        upload(state, self.pieces.device, self.state[n])
+        upload(chain, self.pieces.device, self.chain[n])
+        outs = []
+        for s, t in enumerate(buckets):
+            self.graphs[n, t].replay()
+            outs.append(self.argmax[n, t][: sum(layout[s])].clone())
+        self.steps += len(buckets)
+        return outs
