@@ -50,14 +50,16 @@ def decode_attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, page
     n_q = torch.full((r,), q, dtype=torch.long, device=kv_indptr.device)
     bm = _block_m(q, group, cfg)
     (items, count), merge = attention_items(kv_indptr, last_len, n_q, page_size, group, hkv,
-                                            cfg, num_sms, [bm], capacity, r * q)  # fmt: skip
+                                            cfg, num_sms, [bm], capacity, r * q,
+                                            uniform_q=q)  # fmt: skip
     return items, count, *merge
 
 
 def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.Tensor,
                     page_size: int, group: int, hkv: int, cfg: AttentionConfig, num_sms: int,
-                    block_ms: list[int], capacity: int,
-                    merge_capacity: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+                    block_ms: list[int], capacity: int, merge_capacity: int,
+                    wide_tiles: bool = False,
+                    uniform_q: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """Attention work of rows of ``n_q`` queries each (int64 [R]; a step mixing draft rows of
     one query and verify rows of d + 1), as ``_host_plan`` splits them: one launch per query
     tile in ``block_ms`` (the tiles any row may need; a row's tile is ``_block_m`` of its
@@ -66,11 +68,20 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     -> per block_m, (items int64 [6, capacity], count int64 [1]), then (merge entries int64
     [4, merge_capacity], count int64 [1]). Row r's queries are the tokens from
     ``cumsum(n_q)[r - 1]``; rows listing no page get no work (and should hold no query).
+    wide_tiles: every row of several queries takes the widest tile of ``block_ms`` (one launch
+    for all of a mixed step's verify rows: launches run one after another, and a launch of a
+    few rows leaves most SMs idle); rows of one query keep theirs. uniform_q: every row (but
+    padding) holds this many queries.
     """
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     kv_len = (n_pages - 1) * page_size + last_len.long()
     qo_start = torch.cumsum(n_q, 0) - n_q
-    row_bm = _next_power_of_2(n_q * group).clamp(cfg.block_m_min, cfg.block_m_max)
+    if uniform_q is not None:  # one tile for all: no per-row tile arithmetic
+        row_bm = torch.full_like(n_q, _block_m(uniform_q, group, cfg))
+    elif wide_tiles:
+        row_bm = torch.where(n_q > 1, max(block_ms), _block_m(1, group, cfg))
+    else:
+        row_bm = _next_power_of_2(n_q * group).clamp(cfg.block_m_min, cfg.block_m_max)
     tokens = row_bm // group  # query tokens per tile
     blocks = -(-n_q // tokens)  # query tiles per row
     if cfg.kv_chunk_pages is not None:

@@ -367,6 +367,7 @@ class FixedPlan:
         """share: a plan (of the same heads) whose partial buffers are used if large enough:
         plans replayed one after another never use them at once."""
         self.group, self.hkv, self.device = group, hkv, device
+        self.wide_tiles = False  # rows of several queries share the widest tile (for_rows)
         self.config = _config_for(config, group)
         self.segments = [(6, item_capacity)] * len(block_ms) + [(4, merge_capacity)]
         self.starts, total = _layout(self.segments)
@@ -457,21 +458,27 @@ class FixedPlan:
     @classmethod
     def for_rows(cls, rows: int, tokens: int, max_q: int, max_pages: int, num_q_heads: int,
                  hkv: int, head_dim: int, device: torch.device,
-                 config: AttentionConfig = DEFAULT_CONFIG,
-                 share: FixedPlan | None = None) -> FixedPlan:  # fmt: skip
+                 config: AttentionConfig = DEFAULT_CONFIG, share: FixedPlan | None = None,
+                 wide_tiles: bool = False) -> FixedPlan:  # fmt: skip
         """A plan for ``load_rows``: up to ``rows`` rows of 1..max_q queries each, ``tokens``
         queries and ``max_pages`` listed pages in all (one launch per query tile; the item
-        bounds of ``for_decode`` with the most query tiles a row may need)."""
+        bounds of ``for_decode`` with the most query tiles a row may need). wide_tiles: rows
+        of several queries all take max_q's tile (two launches: ``attention_items``)."""
         group = num_q_heads // hkv
         cfg = _config_for(config, group)
         n_q = np.arange(1, max_q + 1)
-        blocks = int((-(-n_q // (_block_m(n_q, group, cfg) // group))).max())
+        tiles = _block_m(n_q, group, cfg)
+        if wide_tiles:
+            tiles = np.where(n_q > 1, tiles[-1], tiles)
+        blocks = int((-(-n_q // (tiles // group))).max())
         if cfg.kv_chunk_pages is not None:
             items = (-(-max_pages // cfg.kv_chunk_pages) + rows) * blocks
         else:
             items = math.ceil(cfg.waves * _num_sms(device) / hkv) + rows * blocks
-        return cls(group, hkv, num_q_heads, head_dim, block_ms_for(max_q, group, cfg), items,
+        plan = cls(group, hkv, num_q_heads, head_dim, sorted(set(tiles.tolist())), items,
                    tokens, items * max_q, device, config, share)
+        plan.wide_tiles = wide_tiles
+        return plan
 
     def load_rows(self, kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.Tensor,
                   page_size: int) -> None:
@@ -480,7 +487,8 @@ class FixedPlan:
         ``load_decode`` does (no host copy, capturable; sized by ``for_rows``)."""
         *launches, (merge, n_merge) = attention_items(
             kv_indptr, last_len, n_q, page_size, self.group, self.hkv, self.config,
-            _num_sms(self.device), self.block_ms, self.segments[0][1], self.segments[-1][1])
+            _num_sms(self.device), self.block_ms, self.segments[0][1], self.segments[-1][1],
+            self.wide_tiles)
         for launch, (items, count) in zip(self.plan.launches, launches, strict=True):
             launch.work.copy_(items)
             launch.count.copy_(count)

@@ -11,7 +11,8 @@ step, its planning included:
     plan     a row verifies when d >= g: its queries (1 or d + 1) and their tokens, positions
              and KV slots; page lists (draft rows: the policy's sparse list with its top-k
              middle chosen from the score table; verify rows: every page) and the attention
-             work of rows of ragged queries (``FixedPlan.load_rows``)
+             work of rows of ragged queries (``FixedPlan.load_rows``; every verify row in one
+             launch of the widest query tile, draft rows in another)
     l_r      with a scored policy (refresh while drafting): every row attends to all its
              pages and rescores them (draft rows from their query, verify rows from their
              first and last); draft rows' middles are re-chosen from the new scores for the
@@ -128,7 +129,8 @@ class AsyncStepGraphs:
             largest = max(self.plans.values(), key=lambda p: p.plan.part_rows, default=None)
             self.plans[n, t, full] = FixedPlan.for_rows(
                 n, t, self.max_q, self._pool_pages, attn.q_heads, attn.kv_heads, attn.head_dim,
-                self.pieces.device, self.step_graphs.config, share=largest)  # fmt: skip
+                self.pieces.device, self.step_graphs.config, share=largest,
+                wide_tiles=True)  # fmt: skip
         return self.plans[n, t, full]
 
     # ---- the captured step ---------------------------------------------------------------------

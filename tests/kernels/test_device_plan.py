@@ -143,3 +143,24 @@ def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     out, lse = paged_attention(q_pad, kv, fixed, 0.125, return_lse=True, config=cfg)
     assert torch.equal(out[: q.shape[0]], expected)
     assert torch.equal(lse[: q.shape[0]], lse_expected)
+
+
+def test_wide_tiles_put_every_verify_row_in_one_launch():
+    """A mixed step's verify rows in the widest tile's launch, its draft rows in their own:
+    the same output as the host plan's per-row tiles (fp32)."""
+    cfg = CONFIGS[2]
+    heads, n_q = (8, 2, 64), [1, 4, 1, 2, 7]
+    q, kv, meta = paged_case(n_q, [700, 33, 260, 90, 120], heads, torch.float32, "cpu", PS,
+                             True, 6)  # fmt: skip
+    expected = paged_attention(q, kv, meta, 0.125, config=cfg)
+    plan = FixedPlan.for_rows(5, 16, 7, kv.shape[0], *heads, torch.device("cpu"), cfg,
+                              wide_tiles=True)  # fmt: skip
+    assert len(plan.plan.launches) == 2  # draft rows' tile and the widest
+    plan.load_rows(meta.kv_indptr, meta.kv_last_page_len, torch.tensor(n_q), PS)
+    rows_per_launch = [set(launch.work[0, : launch.count.item()].tolist())
+                       for launch in plan.plan.launches]  # fmt: skip
+    assert rows_per_launch == [{0, 2}, {1, 3, 4}]
+    fixed = PagedKVMeta(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                        PS, fixed_plan=plan)  # fmt: skip
+    torch.testing.assert_close(paged_attention(q, kv, fixed, 0.125, config=cfg), expected,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
