@@ -145,10 +145,10 @@ def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     assert torch.equal(lse[: q.shape[0]], lse_expected)
 
 
-def test_wide_tiles_put_every_verify_row_in_one_launch():
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+def test_wide_tiles_put_every_verify_row_in_one_launch(cfg):
     """A mixed step's verify rows in the widest tile's launch, its draft rows in their own:
     the same output as the host plan's per-row tiles (fp32)."""
-    cfg = CONFIGS[2]
     heads, n_q = (8, 2, 64), [1, 4, 1, 2, 7]
     q, kv, meta = paged_case(n_q, [700, 33, 260, 90, 120], heads, torch.float32, "cpu", PS,
                              True, 6)  # fmt: skip
@@ -164,3 +164,4 @@ def test_wide_tiles_put_every_verify_row_in_one_launch():
                         PS, fixed_plan=plan)  # fmt: skip
     torch.testing.assert_close(paged_attention(q, kv, fixed, 0.125, config=cfg), expected,
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
