@@ -7,6 +7,7 @@ each layer's page lists. Shapes: T = tokens of the flattened ragged batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -124,12 +125,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
         return self.mlp(self.post_attention_layernorm(h, residual))
 
-    def forward(self, x, residual, positions, rotary, plan: AttentionPlan, kv_cache):
-        q, k, v = self.pre_attention(x, residual, positions, rotary)
-        attn = self.self_attn
-        out = plan.attend(attn.layer, q, k, v, kv_cache, attn.scale)
-        return self.post_attention(out, residual)
-
 
 class DecoderModel(nn.Module):
     """Embedding -> N decoder layers -> final norm; ``compute_logits`` for selected tokens."""
@@ -156,11 +151,43 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
-        residual = self.embed_tokens(input_ids)  # a new tensor: updated in place below
+        layers = self.layers
+
+        def attend(i, q, k, v):
+            return plan.attend(i, q, k, v, kv_caches[i], layers[i].self_attn.scale)
+
+        return self.span(0, len(layers), input_ids, positions, None, attend)
+
+    def span(self, lo: int, hi: int, input_ids: torch.Tensor, positions: torch.Tensor,
+             residual: torch.Tensor | None, attend: Callable | None = None,
+             attn_in: torch.Tensor | None = None, store: Callable | None = None,
+             q_out: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """The one layer loop, of the eager forward and of the piecewise and whole-step CUDA
+        graphs: layers [lo, hi) over the residual stream [T, hidden], updated in place (None
+        with lo = 0: the embeddings become it), each as pre-attention -> ``attend(i, q, k, v)``
+        -> post-attention. A span from lo = 0 embeds ``input_ids``; a later one starts with
+        layer lo - 1's post-attention of ``attn_in`` [T, Hq, D] (attended between two spans).
+        Then the final norm (hi = L: returned) or layer hi's pre-attention: its q into
+        ``q_out``, ``store(hi, k, v)``, None returned. Pieces of no layer (lo = hi) are the
+        piecewise graphs'."""
+        layers = self.layers
         x = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, residual, positions, self.rotary, plan, kv_cache)
-        return self.norm(x, residual)
+        if lo == 0:
+            embeddings = self.embed_tokens(input_ids)
+            if residual is None:
+                residual = embeddings
+            else:
+                residual.copy_(embeddings)
+        else:
+            x = layers[lo - 1].post_attention(attn_in, residual)
+        for i in range(lo, hi):
+            q, k, v = layers[i].pre_attention(x, residual, positions, self.rotary)
+            x = layers[i].post_attention(attend(i, q, k, v), residual)
+        if hi == len(layers):
+            return self.norm(x, residual)
+        _, k, v = layers[hi].pre_attention(x, residual, positions, self.rotary, q_out)
+        store(hi, k, v)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (full vocab on every rank)."""

@@ -125,19 +125,15 @@ class PiecewiseGraphs:
 
     # ---- capture -------------------------------------------------------------------------------
     def _piece(self, i: int, n: int, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-        model, layers = self.model, self.model.layers
+        """Piece i of bucket n: layer i - 1's post-attention (or the embedding) and layer i's
+        q/k/v and KV store (or the final norm), no attention (``DecoderModel.span(i, i)``)."""
         ids, positions, slots = self.inputs[n][:, :n]
-        residual, q_out = self.residual[:n], self.q[:n]
-        if i == 0:
-            residual.copy_(model.embed_tokens(ids))
-            x = None
-        else:
-            x = layers[i - 1].post_attention(self.attn_out[:n], residual)
-        if i == len(layers):
-            return model.norm(x, residual)
-        _, k, v = layers[i].pre_attention(x, residual, positions, model.rotary, q_out)
-        self.backend.store_kv(k, v, kv_caches[i], slots)
-        return None
+
+        def store(layer, k, v):
+            self.backend.store_kv(k, v, kv_caches[layer], slots)
+
+        return self.model.span(i, i, ids, positions, self.residual[:n], None, self.attn_out[:n],
+                               store, self.q[:n])  # fmt: skip
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         with torch.inference_mode():

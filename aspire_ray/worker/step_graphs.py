@@ -91,26 +91,21 @@ class StepGraphs:
 
     def layers(self, n: int, lo: int, hi: int, meta: PagedKVMeta,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
-        """Layers [lo, hi) with their attention; then the final norm (hi = L, returned) or
-        layer hi's q (into the shared q buffer) and KV store."""
+        """Layers [lo, hi) with their attention over bucket n's buffers
+        (``DecoderModel.span``); then the final norm (hi = L, returned) or layer hi's q (into
+        the shared q buffer) and KV store."""
         p, layers, backend = self.pieces, self.model.layers, self.pieces.backend
         ids, positions, slots = p.inputs[n][:, :n]
-        residual = p.residual[:n]
-        if lo == 0:
-            residual.copy_(self.model.embed_tokens(ids))
-            x = None
-        else:
-            x = layers[lo - 1].post_attention(p.attn_out[:n], residual)
-        for i in range(lo, hi):
-            q, k, v = layers[i].pre_attention(x, residual, positions, self.model.rotary)
+
+        def store(i, k, v):
             backend.store_kv(k, v, kv_caches[i], slots)
-            attn = backend.attention(q, kv_caches[i], meta, layers[i].self_attn.scale)
-            x = layers[i].post_attention(attn, residual)
-        if hi == len(layers):
-            return self.model.norm(x, residual)
-        _, k, v = layers[hi].pre_attention(x, residual, positions, self.model.rotary, p.q[:n])
-        backend.store_kv(k, v, kv_caches[hi], slots)
-        return None
+
+        def attend(i, q, k, v):
+            store(i, k, v)
+            return backend.attention(q, kv_caches[i], meta, layers[i].self_attn.scale)
+
+        return self.model.span(lo, hi, ids, positions, p.residual[:n], attend, p.attn_out[:n],
+                               store, p.q[:n])  # fmt: skip
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces
