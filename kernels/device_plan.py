@@ -101,7 +101,10 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
 
     out = []
     for bm in block_ms:  # items: for each row, for each query tile b, for each chunk s
-        row, local, count = ragged_fixed(torch.where(row_bm == bm, splits * blocks, 0), capacity)
+        per_row = splits * blocks  # one launch: every row's; else the rows of this tile
+        if len(block_ms) > 1:
+            per_row = torch.where(row_bm == bm, per_row, 0)
+        row, local, count = ragged_fixed(per_row, capacity)
         n_split = splits[row].clamp(min=1)
         s = local % n_split
         is_split = split_rows[row]

@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
 
 _LIVE, _SCORED = 1, 2  # row flag bits: a real row; its request has page scores
-# rows of the state: slot, flags, draft length, drafts held, x_n, its position
-_SLOT, _FLAGS, _GAMMA, _HELD, _X, _XPOS = range(6)
 
 
 class AsyncStepGraphs:
@@ -67,7 +65,8 @@ class AsyncStepGraphs:
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
         self.row_buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
-        self.state: dict[int, torch.Tensor] = {}  # n -> int64 [6, n]
+        # n -> int64 [6, n]: slot, flags, draft length, drafts held, x_n, its position
+        self.state: dict[int, torch.Tensor] = {}
         self.chain: dict[int, torch.Tensor] = {}  # n -> int64 [max_drafts, n]: pending drafts
         self.graphs: dict[tuple[int, int], object] = {}  # (n, t) -> graph
         self.argmax: dict[tuple[int, int], torch.Tensor] = {}  # (n, t) -> int64 [t] output
