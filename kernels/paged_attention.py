@@ -36,6 +36,7 @@ from .attention_config import DEFAULT_CONFIG, AttentionConfig, check_cache, chec
 from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
+from .plan_kernel import fused_planning_fits, plan_into
 
 _LOG2E = 1.4426950408889634
 _CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
@@ -383,6 +384,9 @@ class FixedPlan:
                                 device=device)  # fmt: skip
             lpart = torch.empty(part_rows, num_q_heads, dtype=torch.float32, device=device)
         self.plan = _Plan(launches, merge, opart.shape[0], opart, lpart)
+        # the work lists of load_rows / load_decode in one launch (plan_kernel.py) where it
+        # computes them exactly; else device_plan's tensor ops
+        self.fused_planning = fused_planning_fits(self.config, _num_sms(device), self.block_ms)
 
     @classmethod
     def for_tokens(cls, tokens: int, max_q: int, num_q_heads: int, hkv: int, head_dim: int,
@@ -423,9 +427,15 @@ class FixedPlan:
         capturable. The caller sizes the plan (``for_decode``): work past a capacity would be
         dropped."""
         bm = int(_block_m(np.full(1, q, np.int64), self.group, self.config)[0])
-        for launch in self.plan.launches:
+        for launch, start in zip(self.plan.launches, self.starts, strict=False):
             if launch.block_m != bm:
                 launch.count.zero_()
+                continue
+            if self.fused_planning:
+                plan_into(self.buffer, [start], launch.capacity, self.starts[-1],
+                          self.plan.merge.capacity, kv_indptr, last_len, None, page_size,
+                          self.group, self.hkv, self.config, _num_sms(self.device), [bm],
+                          uniform_q=q)  # fmt: skip
                 continue
             items, count, merge, n_merge = decode_attention_items(
                 kv_indptr, last_len, page_size, self.group, self.hkv, self.config,
@@ -485,6 +495,12 @@ class FixedPlan:
         """Write the plan of rows of n_q (int64 [R]) queries each, their queries in row order
         (a mixed step: draft rows of one, verify rows of d + 1), from the device metadata, as
         ``load_decode`` does (no host copy, capturable; sized by ``for_rows``)."""
+        if self.fused_planning:
+            plan_into(self.buffer, self.starts[:-1], self.segments[0][1], self.starts[-1],
+                      self.segments[-1][1], kv_indptr, last_len, n_q, page_size, self.group,
+                      self.hkv, self.config, _num_sms(self.device), self.block_ms,
+                      self.wide_tiles)  # fmt: skip
+            return
         *launches, (merge, n_merge) = attention_items(
             kv_indptr, last_len, n_q, page_size, self.group, self.hkv, self.config,
             _num_sms(self.device), self.block_ms, self.segments[0][1], self.segments[-1][1],

@@ -106,6 +106,14 @@ def token_max_probs_ref(
     return result
 
 
+def page_scores_ref(
+    q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float
+) -> torch.Tensor:
+    """The page scores s(P) of one rank's heads: ``token_max_probs_ref`` summed over each
+    listed page's tokens, float32 [nnz_pages]."""
+    return token_max_probs_ref(q, lse, kv_cache, meta, scale).sum(dim=-1)
+
+
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

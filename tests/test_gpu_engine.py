@@ -52,8 +52,9 @@ def test_cuda_graphs_equal_eager(mode):
     # piecewise graphs for steps with prefill rows, whole-step graphs for decode steps
     graphed = _run(mode, "float32")
     worker = _run.last_worker
-    # ar's decode chains replay the chain-step graphs
+    # ar's decode chains replay the chain-step graphs, aspire's asynchronous runs theirs
     whole_steps = worker.step_graphs.steps + (worker.draft_graphs.steps if mode == "ar" else 0)
+    whole_steps += worker.async_graphs.steps if mode == "aspire" else 0
     assert graphed == _run(mode, "float32", cuda_graphs=False)
     assert whole_steps > 20, "decode steps did not replay the whole-step graphs"
 

@@ -3,9 +3,9 @@
 A backend implements three operations over the shared KV layout
 ``kv_cache: [num_pages, 2, page_size, kv_heads, head_dim]`` (see ``aspire_ray.kernels``):
 storing new K/V by slot, ragged paged attention (optionally returning the log-sum-exp), and
-the refresh layer's per-token max attention probability. Metadata is planned once per step by
-the caller and passed to every layer; backends that need a per-step plan (Triton, flashinfer)
-build it lazily from the metadata object and cache it there.
+the refresh layer's per-token max attention probability (or its sum per page). Metadata is
+planned once per step by the caller and passed to every layer; backends that need a per-step
+plan (Triton, flashinfer) build it lazily from the metadata object and cache it there.
 """
 
 from __future__ import annotations
@@ -51,6 +51,18 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """q: [R, Hq, D], lse: [R, Hq] -> float32 [nnz_pages, page_size] (0 past kv_len)."""
         return ref.token_max_probs_ref(q, lse, kv_cache, meta, scale)
+
+    def page_scores(
+        self,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedKVMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        """``token_max_probs`` summed over each page: float32 [nnz_pages] (one rank's heads, so
+        only where the heads are not sharded)."""
+        return ref.page_scores_ref(q, lse, kv_cache, meta, scale)
 
 
 class BackendUnavailableError(ValueError):

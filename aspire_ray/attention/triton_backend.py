@@ -10,7 +10,7 @@ import torch
 
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.kv_store import store_kv
-from aspire_ray.kernels.page_scores import token_max_probs
+from aspire_ray.kernels.page_scores import page_scores, token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
 
 from .backend import AttentionBackend, register_backend
@@ -50,6 +50,17 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         """work: a device-planned work list (CUDA graphs; ``page_scores.token_max_probs``)."""
         return token_max_probs(q, lse, kv_cache, meta, scale, work)
+
+    def page_scores(
+        self,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedKVMeta,
+        scale: float,
+        work: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return page_scores(q, lse, kv_cache, meta, scale, work)
 
 
 register_backend("triton", TritonBackend)

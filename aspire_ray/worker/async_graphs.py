@@ -42,7 +42,7 @@ from aspire_ray.plan import RowPlan
 
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last
 from .page_selector import PageSelector
-from .page_table import PageTable, gather_lists
+from .page_table import PageTable, gather_lists, list_capacity
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ class AsyncStepGraphs:
         middle_end = (head_end + n_top)[:, None]
         logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
                               torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
-        indptr, template = gather_lists(table, counts, logical, row_slot, self._pool_pages)
+        indptr, template = gather_lists(table, counts, logical, row_slot,
+                                       list_capacity(n, table, self._pool_pages))
         plan = self._plan(n, t, full=False)
         plan.load_rows(indptr, last, n_q, ps)
         meta = PagedKVMeta(qo.int(), indptr, template, last, ps, fixed_plan=plan)
@@ -190,7 +191,7 @@ class AsyncStepGraphs:
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
             full_indptr, full_indices = gather_lists(table, pages, j.expand(n, -1), row_slot,
-                                                     self._pool_pages)  # fmt: skip
+                                                     list_capacity(n, table, self._pool_pages))
             full_plan = self._plan(n, t, full=True)
             full_plan.load_rows(full_indptr, last, n_q, ps)
             full = PagedKVMeta(qo.int(), full_indptr, full_indices, last, ps,

@@ -22,6 +22,7 @@ state passed between pieces lives in buffers allocated outside the pool.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 
 import torch
@@ -41,13 +42,21 @@ class _CudaGraph:
 
     def capture(self, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         # capture_begin/end rather than torch.cuda.graph(): that one also runs gc.collect()
-        # and empty_cache() for every capture, which dominates capturing hundreds of pieces
-        with torch.cuda.stream(self.stream):
-            self.graph.capture_begin(pool=self.pool)
-            try:
-                out = fn()
-            finally:
-                self.graph.capture_end()
+        # and empty_cache() for every capture, which dominates capturing hundreds of pieces.
+        # The collector stays off while capturing: a graph it destroys meanwhile (an earlier
+        # engine's, in the same process) resets a graph mid-capture and invalidates it.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self.stream):
+                self.graph.capture_begin(pool=self.pool)
+                try:
+                    out = fn()
+                finally:
+                    self.graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         return out
 
     def replay(self) -> None:

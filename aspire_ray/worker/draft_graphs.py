@@ -45,7 +45,7 @@ from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 from . import sampler
 from .draft_pages import PageScoreTable, choose_top_pages, listed_page_scores
 from .page_selector import PageSelector
-from .page_table import PageTable, gather_lists
+from .page_table import PageTable, gather_lists, list_capacity
 from .step_graphs import StepGraphs
 from .verify_graphs import VerifyGraphs
 
@@ -136,10 +136,11 @@ class DraftStepGraphs:
         return self.plans[n, full]
 
     def _capacity(self, n: int, full: bool) -> int:
-        """Most pages bucket n's lists hold: full lists at most the pool (rows never share a
-        page), sparse lists at most the budget of the widest request each."""
+        """Most pages bucket n's lists hold: full lists at most the table's width each and the
+        pool in all (rows never share a page), sparse lists at most the budget of the widest
+        request each."""
         if full:
-            return self._pool_pages
+            return list_capacity(n, self.page_table.table, self._pool_pages)
         return min(n * self.selector.budget(self.page_table.width), self._pool_pages)
 
     def _capture(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
@@ -196,7 +197,7 @@ class DraftStepGraphs:
             self.step_graphs.layers(n, 0, lr, sparse, kv_caches)
             j_full = torch.arange(table.shape[1], device=dev)[None, :]
             full_indptr, full_indices = gather_lists(table, pages, j_full.expand(n, -1),
-                                                     row_slot, self._pool_pages)  # fmt: skip
+                                                     row_slot, self._capacity(n, full=True))
             full = self._meta(n, full_indptr, full_indices, last, ps, full=True)
             scale = layers[lr].self_attn.scale
             out, lse = self.pieces.backend.attention(q, kv_caches[lr], full, scale,

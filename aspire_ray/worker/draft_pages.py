@@ -15,7 +15,7 @@ import torch
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import score_items
 
-from .page_table import gather_lists
+from .page_table import gather_lists, list_capacity
 
 
 class PageScoreTable:
@@ -107,13 +107,13 @@ def listed_page_scores(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
     """Page scores of rows of one query each, planned on the device (CUDA graphs): q [R, Hq,
     D], lse [R, Hq] float32, meta: the rows' page lists (fixed capacity), pages: int64 [R]
     pages each row lists -> float32 [R, width], row r's score of its j-th page, 0 past them."""
-    from aspire_ray.kernels.page_scores import BLOCK_N  # imports triton
+    from aspire_ray.kernels.page_scores import work_tokens  # imports triton
 
     ps, cap = meta.page_size, meta.kv_indices.shape[0]
-    work, count = score_items(meta.kv_indptr, ps, BLOCK_N, -(-cap * ps // BLOCK_N) + q.shape[0])
-    probs = backend.token_max_probs(q, lse, kv_cache, meta, scale,
-                                    work=(work.int(), count.int()))  # fmt: skip
-    page_scores = probs.sum(dim=-1)  # [cap]
+    per_item = work_tokens(ps)
+    work, count = score_items(meta.kv_indptr, ps, per_item, -(-cap * ps // per_item) + q.shape[0])
+    page_scores = backend.page_scores(q, lse, kv_cache, meta, scale,
+                                      work=(work.int(), count.int()))  # [cap]
     j = torch.arange(width, device=q.device)[None, :]
     at = (meta.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
     return torch.where(j < pages[:, None], page_scores[at], 0.0)
@@ -141,7 +141,7 @@ def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
     pages = torch.where(live2, (seen + ps - 1) // ps, 0)
     last_len = torch.where(live2, seen - (pages - 1) * ps, 1).int()
     j = torch.arange(width, device=q.device)[None, :]
-    cap = 2 * pool_pages  # a row's pages, listed by both its queries
+    cap = 2 * list_capacity(n, table, pool_pages)  # a row's pages, listed by both its queries
     indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
                                    row_slot.repeat_interleave(2), cap)  # fmt: skip
     meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=q.device), indptr,

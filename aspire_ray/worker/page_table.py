@@ -104,3 +104,10 @@ def gather_lists(table: torch.Tensor, counts: torch.Tensor, logical: torch.Tenso
     indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
     indices.scatter_(0, dest.flatten(), phys.flatten())
     return indptr.int(), indices[:capacity]
+
+
+def list_capacity(rows: int, table: torch.Tensor, pool_pages: int) -> int:
+    """Most pages the page lists of ``rows`` rows may hold in all: a row lists at most the
+    page table's width (table: int32 [slots, W]) and rows never share a page. A fixed
+    capacity for CUDA graphs (the tables' shapes key their capture)."""
+    return min(rows * table.shape[1], pool_pages)

@@ -71,11 +71,11 @@ class StepAttention:
         if self.scoring is None:
             return self.backend.attention(q, kv_cache, self.meta_refresh, scale)
         out, lse = self.backend.attention(q, kv_cache, self.meta_refresh, scale, return_lse=True)
-        idx = self.scoring.token_index
-        token_probs = self.backend.token_max_probs(q[idx], lse[idx], kv_cache,
-                                                   self.scoring.meta, scale)
-        # max over ALL query heads: this rank holds only its own heads
-        token_probs = self.tp.all_reduce_max(token_probs)
-        page_scores = token_probs.sum(dim=-1)  # [nnz_pages] float32
+        idx, meta = self.scoring.token_index, self.scoring.meta
+        if self.tp.size == 1:  # summed per page in the kernel, as the CUDA graphs do
+            page_scores = self.backend.page_scores(q[idx], lse[idx], kv_cache, meta, scale)
+        else:  # the max over ALL query heads first: this rank holds only its own heads
+            token_probs = self.backend.token_max_probs(q[idx], lse[idx], kv_cache, meta, scale)
+            page_scores = self.tp.all_reduce_max(token_probs).sum(dim=-1)  # [nnz_pages]
         self.meta_post = self.on_scores(page_scores)
         return out

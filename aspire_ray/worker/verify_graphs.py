@@ -31,7 +31,7 @@ import torch
 from aspire_ray.kernels import PagedKVMeta
 
 from .draft_pages import rescore_first_last
-from .page_table import gather_lists
+from .page_table import gather_lists, list_capacity
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
@@ -112,7 +112,8 @@ class VerifyGraphs:
         pages = torch.where(live, (end + ps - 1) // ps, 0)
         last = torch.where(live, end - (pages - 1) * ps, 1).int()
         j = torch.arange(width, device=dev)[None, :]
-        indptr, indices = gather_lists(table, pages, j.expand(n, -1), row_slot, d._pool_pages)
+        indptr, indices = gather_lists(table, pages, j.expand(n, -1), row_slot,
+                                       list_capacity(n, table, d._pool_pages))
         plan = self._plan(n, q)
         plan.load_decode(indptr, last, ps, q)
         qo = torch.arange(n + 1, dtype=torch.int32, device=dev) * q

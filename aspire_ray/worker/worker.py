@@ -12,6 +12,7 @@ distributions q of pending drafts (sampling only).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -463,6 +464,7 @@ class Worker:
         """
         spec, ps = self.cfg.spec, self.page_size
         if self.graphs is not None:
+            gc.collect()  # earlier engines' graphs go now, not during a capture
             try:
                 self.graphs.capture_all(self.kv_caches)
                 self.step_graphs.capture_all(self.kv_caches)
@@ -472,7 +474,7 @@ class Worker:
                     self.async_graphs.capture_all(self.cfg.scheduler.max_num_seqs,
                                                   self.kv_caches)  # fmt: skip
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
-                logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+                logger.warning("CUDA graph capture failed, running eagerly: %s", e, exc_info=True)
                 self.graphs = self.step_graphs = self.draft_graphs = self.async_graphs = None
         max_d = self.max_q - 1
         # 65 pages: the attention splits such rows (chunks of >= 32 pages) and merges them

@@ -15,7 +15,7 @@ from aspire_ray.kernels.device_plan import (
     ragged_fixed,
     score_items,
 )
-from aspire_ray.kernels.page_scores import BLOCK_N, _host_work, token_max_probs
+from aspire_ray.kernels.page_scores import _host_work, page_scores, token_max_probs, work_tokens
 from aspire_ray.kernels.paged_attention import (
     FixedPlan,
     _host_plan,
@@ -73,7 +73,7 @@ def test_score_items_equal_the_host_work():
     meta = _meta([3, 1, 17], [5, 16, 1])
     host = _host_work(meta)
     indptr = torch.tensor(meta.kv_indptr_host + [meta.kv_indptr_host[-1]])
-    work, count = score_items(indptr, PS, BLOCK_N, host.shape[1] + 3)
+    work, count = score_items(indptr, PS, work_tokens(PS), host.shape[1] + 3)
     assert count.item() == host.shape[1]
     assert np.array_equal(work[:, : count.item()].numpy(), host)
 
@@ -97,10 +97,13 @@ def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg, n_q):
     assert torch.equal(out[:-n_q], expected) and torch.equal(lse[:-n_q], lse_expected)
     if n_q > 1:
         return  # page scores are a draft row's (one query)
-    work = score_items(fixed.kv_indptr, PS, BLOCK_N, 64)
-    scores = token_max_probs(q_pad, lse, kv, fixed, 0.125, work=(work[0].int(), work[1].int()))
+    work = score_items(fixed.kv_indptr, PS, work_tokens(PS), 64)
+    work = (work[0].int(), work[1].int())
+    scores = token_max_probs(q_pad, lse, kv, fixed, 0.125, work=work)
     nnz = meta.kv_indices.shape[0]
     assert torch.equal(scores[:nnz], token_max_probs(q, lse_expected, kv, meta, 0.125))
+    sums = page_scores(q_pad, lse, kv, fixed, 0.125, work=work)
+    assert torch.equal(sums[:nnz], page_scores(q, lse_expected, kv, meta, 0.125))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
@@ -165,3 +168,54 @@ def test_wide_tiles_put_every_verify_row_in_one_launch(cfg):
     torch.testing.assert_close(paged_attention(q, kv, fixed, 0.125, config=cfg), expected,
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
+
+
+def _loaded(plan: FixedPlan, fused: bool, load) -> list[tuple[int, np.ndarray]]:
+    """Every launch's and the merge's (count, work) after ``load(plan)``."""
+    plan.clear()
+    plan.fused_planning = fused
+    load(plan)
+    return [(launch.count.item(), launch.work[:, : launch.count.item()].numpy().copy())
+            for launch in [*plan.plan.launches, plan.plan.merge]]  # fmt: skip
+
+
+def _same(a, b) -> bool:
+    return all(ca == cb and np.array_equal(wa, wb) for (ca, wa), (cb, wb) in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("wide", [False, True], ids=["tiles", "wide"])
+@pytest.mark.parametrize("n_q", [[1, 6, 1, 3, 1], [2, 1, 1, 17], [1]])
+def test_fused_planning_writes_the_tensor_ops_lists(cfg, wide, n_q):
+    """``plan_kernel.plan_into`` (one launch) fills a fixed plan exactly as
+    ``attention_items``' tensor ops do, for ragged rows and a padding row."""
+    pages = [40, 3, 200, 9, 65][: len(n_q)]
+    lasts = np.random.default_rng(len(n_q)).integers(1, PS + 1, len(n_q)).tolist()
+    indptr = torch.tensor([0, *np.cumsum(pages).tolist(), sum(pages)], dtype=torch.int32)
+    last, nq = torch.tensor([*lasts, 1], dtype=torch.int32), torch.tensor([*n_q, 0])
+    plan = FixedPlan.for_rows(len(n_q) + 1, 64, 17, 400, 8, 2, 64, torch.device("cpu"), cfg,
+                              wide_tiles=wide)  # fmt: skip
+    assert plan.fused_planning
+    load = lambda p: p.load_rows(indptr, last, nq, PS)  # noqa: E731
+    fused, ops = _loaded(plan, True, load), _loaded(plan, False, load)
+    assert sum(count for count, _ in fused[:-1]) > 0
+    assert _same(fused, ops)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("q", [1, 6, 20])
+def test_fused_planning_of_decode_rows(cfg, q):
+    pages = [max(p, -(-q // PS) + 1) for p in [1, 40, 3, 200]]
+    indptr = torch.tensor([0, *np.cumsum(pages).tolist(), sum(pages)], dtype=torch.int32)
+    last = torch.tensor([3, 16, 1, 9, 1], dtype=torch.int32)
+    plan = FixedPlan.for_decode(5, sum(pages), 8, 2, 64, torch.device("cpu"), cfg, q=q)
+    load = lambda p: p.load_decode(indptr, last, PS, q)  # noqa: E731
+    assert _same(_loaded(plan, True, load), _loaded(plan, False, load))
+
+
+def test_fused_planning_only_where_exact():
+    from aspire_ray.kernels.plan_kernel import fused_planning_fits
+
+    assert fused_planning_fits(AttentionConfig(waves=2.0), 4, [16, 64])
+    assert not fused_planning_fits(AttentionConfig(waves=2.5), 3, [16])  # 7.5: a float ceil
+    assert fused_planning_fits(AttentionConfig(waves=2.5, kv_chunk_pages=4), 3, [16])

@@ -1,4 +1,4 @@
-"""Triton token_max_probs against ``token_max_probs_ref`` (CPU: Triton's interpreter)."""
+"""Triton token_max_probs and page_scores against their references (CPU: Triton's interpreter)."""
 
 import random
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.page_scores import token_max_probs
+from aspire_ray.kernels.page_scores import page_scores, token_max_probs
 from aspire_ray.kernels.paged_attention import paged_attention
-from aspire_ray.kernels.reference import paged_attention_ref, token_max_probs_ref
+from aspire_ray.kernels.reference import page_scores_ref, paged_attention_ref, token_max_probs_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,6 +50,10 @@ def check(q, kv, meta, dtype):
     assert out.dtype == torch.float32 and out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     assert torch.equal(out == 0, ref == 0)  # slots past kv_len are exactly 0
+    sums = page_scores(q, lse, kv, meta, scale)
+    assert sums.dtype == torch.float32 and sums.shape == (ref.shape[0],)
+    torch.testing.assert_close(sums, page_scores_ref(q, lse, kv, meta, scale), atol=atol,
+                               rtol=rtol)  # fmt: skip
     return out
 
 
@@ -60,7 +64,12 @@ def test_matches_reference(dtype, heads):
     check(*make_case([1, 37, 150, 16], heads, dtype), dtype)
 
 
-@pytest.mark.parametrize("page_size", [8, 32], ids=["ps8", "ps32"])
+def test_more_work_items_than_programs():
+    # CPU stand-in: 4 SMs x 8 programs; 12 rows of 1,000 tokens are 48 items of 256 tokens
+    check(*make_case([1000] * 12, (2, 2, 64), torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("page_size", [8, 32, 128], ids=["ps8", "ps32", "ps128"])
 def test_other_page_sizes(page_size):
     check(*make_case([5, 70, 33], (4, 1, 64), torch.float32, page_size), torch.float32)
 
