@@ -170,9 +170,7 @@ def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_star
     with ``uniform_q``). One launch, no sync: capturable."""
     rows = kv_indptr.shape[0] - 1
     padded = list(starts) + [0] * (_MAX_LAUNCHES - len(starts))
-    bms = list(block_ms) + [0] * (_MAX_LAUNCHES - len(block_ms))
-    if uniform_q is not None:
-        bms[0] = _block_m(uniform_q, group, cfg)
+    bms = list(block_ms) + [0] * (_MAX_LAUNCHES - len(block_ms))  # uniform_q: its tile first
     _plan_kernel[(max(rows, 1),)](
         buffer, kv_indptr, last_len, n_q if n_q is not None else last_len, rows, capacity,
         merge_capacity, *padded, merge_start, int(cfg.waves * num_sms),
