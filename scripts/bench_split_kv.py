@@ -1,0 +1,128 @@
+"""Split-KV and tile choices for the attention of a decode step's rows, as a CUDA graph replays
+them: one graph of ``--layers`` attention calls (each layer its own KV pool, as a model's), so
+launch gaps and the split-KV merge count as they do in a step.
+
+Shapes: ``--batch`` rows over sparse lists of k pages (draft rows: k = the sparse budget of a
+``--context`` row) and over full lists (``ar`` and verify rows, ``--q-lens``). Per config: GPU
+time per layer (median of graph replays, CUDA events), KV GB/s and its fraction of the copy
+bandwidth measured in the same run.
+
+    python scripts/bench_split_kv.py --batch 64 --context 32000 --out split_kv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, replace
+
+import torch
+from bench_kernels import Timer, copy_bandwidth
+
+from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, paged_attention
+
+VARIANTS = {  # name -> AttentionConfig overrides
+    "default": {},
+    "chunk8": {"min_chunk_pages": 8},
+    "chunk16": {"min_chunk_pages": 16},
+    "chunk64": {"min_chunk_pages": 64},
+    "unsplit": {"kv_chunk_pages": 1 << 30},
+    "waves2": {"waves": 2.0},
+    "waves4": {"waves": 4.0},
+    "waves16": {"waves": 16.0},
+    "block_n64": {"block_n": 64},
+    "stages2": {"num_stages": 2},
+    "stages4": {"num_stages": 4},
+    "warps2": {"num_warps": 2},
+    "warps8": {"num_warps": 8},
+}
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median time of one replay of fn captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # the plans are built (and cached on their metadata) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=32000)
+    p.add_argument("--rho", type=float, default=0.07, help="sparse fraction of a row's pages")
+    p.add_argument("--q-heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--q-lens", type=ints, default=[1, 6], help="full rows' query counts")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    copy_gbps = copy_bandwidth(Timer(5))
+    full_pages = -(-a.context // a.page_size)
+    sparse_pages = max(32, math.ceil(a.rho * full_pages))
+    shapes = [("draft", 1, sparse_pages)] + [(f"full_q{q}", q, full_pages) for q in a.q_lens]
+    results = []
+    for kind, q_len, n in shapes:
+        pools = [torch.randn(a.batch * n, 2, a.page_size, a.kv_heads, a.head_dim,
+                             dtype=torch.bfloat16, device="cuda")
+                 for _ in range(a.layers)]  # fmt: skip
+        pages = torch.randperm(a.batch * n, generator=gen).view(a.batch, n).tolist()
+        q = torch.randn(a.batch * q_len, a.q_heads, a.head_dim, dtype=torch.bfloat16,
+                        device="cuda")  # fmt: skip
+        kv_bytes = a.batch * n * a.page_size * 2 * a.kv_heads * a.head_dim * 2
+        for name in a.variants.split(","):
+            cfg = replace(DEFAULT_CONFIG, **VARIANTS[name])
+            meta = PagedKVMeta.build([q_len] * a.batch, pages, [n * a.page_size] * a.batch,
+                                     a.page_size, "cuda")  # fmt: skip
+
+            def step(meta=meta, cfg=cfg):
+                for pool in pools:
+                    paged_attention(q, pool, meta, a.head_dim**-0.5, config=cfg)
+
+            ms = graph_ms(step, a.reps) / a.layers
+            gbps = kv_bytes / ms / 1e6
+            results.append({"kind": kind, "q_len": q_len, "pages": n, "variant": name,
+                            "config": asdict(cfg), "us_per_layer": ms * 1e3, "kv_gbps": gbps,
+                            "of_copy": gbps / copy_gbps})  # fmt: skip
+            print(f"{kind:8s} {name:10s} {ms * 1e3:7.1f} us/layer  {gbps:6.0f} GB/s "
+                  f"({gbps / copy_gbps:4.0%} of copy)")  # fmt: skip
+        del pools
+        torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "batch": a.batch,
+              "context": a.context, "sparse_pages": sparse_pages, "layers": a.layers,
+              "heads": [a.q_heads, a.kv_heads, a.head_dim], "page_size": a.page_size,
+              "results": results}  # fmt: skip
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
