@@ -102,7 +102,7 @@ def main() -> None:
             meta = PagedKVMeta.build([q_len] * a.batch, pages, [n * a.page_size] * a.batch,
                                      a.page_size, "cuda")  # fmt: skip
 
-            def step(meta=meta, cfg=cfg):
+            def step(meta=meta, cfg=cfg, pools=pools, q=q):
                 for pool in pools:
                     paged_attention(q, pool, meta, a.head_dim**-0.5, config=cfg)
 
