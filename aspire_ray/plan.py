@@ -129,6 +129,9 @@ class ShardInfo:
     weight_bytes: int | None = None
     memory_bandwidth: float | None = None
     tp_size: int = 1
+    # query tokens of one row that share a KV read (the attention backend's query tile over a
+    # GQA group): a row of more queries reads its KV once per tile. None: once for any count
+    query_tile_tokens: int | None = None
 
 
 @dataclass

@@ -42,6 +42,14 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
+def query_tile_tokens(config: AttentionConfig, group: int) -> int:
+    """Query tokens of one row that share a K/V tile load: the widest query tile holds
+    block_m_max // group tokens of a GQA group (one, where a group is wider than the tile). A
+    row of q queries reads its KV once per tile, ceil(q / this) times: a 10-query verify row of
+    Qwen2.5's 7-head groups reads its KV twice (docs/benchmarks.md §8.20)."""
+    return max(1, config.block_m_max // group)
+
+
 def check_meta(meta: PagedKVMeta, device: torch.device, planned: bool = False) -> None:
     """Host copies must exist (planning must not sync; a fixed plan or a work list planned on
     the device, ``planned``, needs none) and index tensors be int32 on device."""

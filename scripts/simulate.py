@@ -73,7 +73,8 @@ class TraceExecutor(Executor):
                  bits: list[str], costs: StepCosts, num_pages: int | None = None) -> None:
         self.cfg, self.meta, self.costs = cfg, meta, costs
         self.prompt_lens, self.tokens, self.bits = prompt_lens, tokens, bits
-        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, meta["num_layers"])
+        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, meta["num_layers"],
+                                  meta.get("query_tile_tokens"))
         longest = max(p + len(t) for p, t in zip(prompt_lens, tokens, strict=True))
         self.max_len = longest + cfg.spec.d_max + 2
         page = cfg.cache.page_size
@@ -86,7 +87,8 @@ class TraceExecutor(Executor):
         return ShardInfo(num_pages=self.num_pages, num_layers=self.meta["num_layers"],
                          vocab_size=self.meta.get("vocab_size", 1 << 20),
                          max_position_embeddings=self.max_len, eos_token_ids=(),
-                         refresh_layer=self.meta["num_layers"] - 2, device_name="simulated")
+                         refresh_layer=self.meta["num_layers"] - 2, device_name="simulated",
+                         query_tile_tokens=self.meta.get("query_tile_tokens"))
 
     def _draft(self, i: int, o: int) -> int:
         if o >= len(self.tokens[i]):  # a later round of a plan, past the request's end
@@ -337,7 +339,8 @@ def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCost
 
 def _policy(spec_mode: str, meta: dict) -> DraftPolicy:
     spec = SpecConfig(mode=spec_mode, **meta["spec"])
-    return DraftPolicy(spec, None, meta["page_size"], meta["num_layers"])
+    return DraftPolicy(spec, None, meta["page_size"], meta["num_layers"],
+                       meta.get("query_tile_tokens"))
 
 
 # ---- measured runs to compare with ----------------------------------------------------------

@@ -185,6 +185,7 @@ def engine_meta(engine) -> dict:
     return {"num_layers": engine.info.num_layers, "page_size": engine.cfg.cache.page_size,
             "vocab_size": engine.info.vocab_size, "model": engine.cfg.model,
             "device": engine.info.device_name,
+            "query_tile_tokens": engine.info.query_tile_tokens,
             "spec": {"k_min": spec.k_min, "rho": spec.rho, "recent_pages": spec.recent_pages,
                      "keep_sink_page": spec.keep_sink_page, "d_max": spec.d_max}}  # fmt: skip
 

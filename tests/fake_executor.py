@@ -31,9 +31,10 @@ class FakeExecutor(Executor):
         self.cfg = cfg
         self.device_name = device_name
         self.num_layers = num_layers
-        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, num_layers)
-        self.seconds = seconds or (lambda n, kv: TRUE[0] + TRUE[1] * n + TRUE[2] * kv)
         self.info = info or {}
+        self.policy = DraftPolicy(cfg.spec, None, cfg.cache.page_size, num_layers,
+                                  self.info.get("query_tile_tokens"))  # fmt: skip
+        self.seconds = seconds or (lambda n, kv: TRUE[0] + TRUE[1] * n + TRUE[2] * kv)
         self.accept = True
         self.tables: dict[str, list[int]] = {}
         self.calls = 0

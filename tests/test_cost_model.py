@@ -11,8 +11,9 @@ from fake_executor import TRUE, FakeExecutor
 from aspire_ray import SamplingParams
 from aspire_ray.config import SpecConfig
 from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.engine.request import Request
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, RowPlan
+from aspire_ray.plan import RowKind, RowPlan, SamplingSpec
 from aspire_ray.spec.cost_model import (
     BOUND_FRACTION,
     PRIOR,
@@ -62,6 +63,13 @@ def test_draft_rows_pay_for_the_refresh_layer():
     assert reads.draft(2304, 32768) == pytest.approx((23 * 2304 + 1.5 * 32768) / 24)
     assert KVReads(24, refresh_while_drafting=False).draft(2304, 32768) == 2304
     assert reads.full(32768) == 32768
+    # query tiles of 9 tokens (Qwen2.5: 7 q heads per KV head in a 64-row tile): a verify row
+    # of up to 9 queries reads its KV once, of 10-18 twice
+    tiled = KVReads(24, refresh_while_drafting=True, query_tile=9)
+    assert [tiled.full(1000, q) for q in (1, 9, 10, 18, 19)] == [1000, 1000, 2000, 2000, 3000]
+    assert reads.full(1000, 17) == 1000  # no tiles (the torch reference): one read
+    with pytest.raises(ValueError, match="query_tile"):
+        KVReads(24, True, query_tile=0)
 
     # context 1000: 63 pages, |S| = max(k_min 3, ceil(0.07 * 63)) = 5 pages = 80 tokens
     rows = [
@@ -78,6 +86,26 @@ def test_draft_rows_pay_for_the_refresh_layer():
     ):
         policy = DraftPolicy(SpecConfig(mode=mode, k_min=3, recent_pages=1), None, 16, 4)
         assert policy.step_features(rows) == (68, pytest.approx(draft_kv + 503 + 64)), mode
+    # a 3-query verify row in query tiles of 2 tokens reads its 503 tokens twice
+    policy = DraftPolicy(SpecConfig(mode="magicdec", k_min=3, recent_pages=1), None, 16, 4, 2)
+    assert policy.step_features(rows) == (68, pytest.approx(80.0 + 2 * 503 + 64))
+
+
+def test_cost_optimal_gamma_sees_query_tiles():
+    """Coefficients of Qwen2.5-Coder-0.5B at 32k on an H200 (b_kv ~ 0.75 TB/s-equivalent of
+    its 12 KiB per token): the no-tile model drafts 10 at alpha 0.97; with tiles of 9 query
+    tokens (a 10th query reads the 32k KV once more) it stops at 8."""
+    coef = CostCoefficients(b_model=1.5e-3, b_tok=2e-6, b_kv=3.3e-9, r2=0.99)
+    gammas = []
+    for tile in (None, 9):
+        model = CostModel()
+        model.coef = coef
+        policy = DraftPolicy(SpecConfig(mode="aspire"), model, 16, 24, tile)
+        req = Request("r", [1] * 32000, SamplingParams(max_tokens=100), SamplingSpec(0, 0, 1, 0),
+                      0.0)  # fmt: skip
+        req.alpha, req.verified_once = 0.97, True
+        gammas.append(policy.cost_optimal_gamma(req, batch=64))
+    assert gammas == [10, 8]
 
 
 # ---- physics bounds --------------------------------------------------------------------------

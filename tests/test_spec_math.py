@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aspire_ray.spec.acceptance import optimal_gamma, update_alpha
+from aspire_ray.spec.acceptance import (
+    best_gamma,
+    expected_speedup,
+    expected_tokens,
+    optimal_gamma,
+    update_alpha,
+)
 from aspire_ray.spec.cost_model import CostModel
 
 
@@ -21,6 +27,28 @@ def test_gamma_is_zero_when_drafting_costs_as_much_as_verifying():
 
 def test_gamma_clamped_by_d_max():
     assert optimal_gamma(alpha=0.99, c=0.001, d_max=16) == 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.0, 0.999), st.floats(0.001, 1.5), st.integers(0, 24))
+def test_best_gamma_with_one_verify_time_is_optimal_gamma(alpha, c, d_max):
+    """Same optimum (up to rounding on exact ties, such as alpha = c at g = 0 and 1)."""
+    g = best_gamma(alpha, c * 2e-3, [2e-3] * (d_max + 1))
+    best = expected_speedup(alpha, c, optimal_gamma(alpha, c, d_max))
+    assert 0 <= g <= d_max
+    assert expected_speedup(alpha, c, g) == pytest.approx(best, rel=1e-12)
+
+
+def test_best_gamma_stops_before_a_second_query_tile():
+    """alpha 0.9, drafts a tenth of a verification: 10 drafts when the verification costs the
+    same for any count; 8 when a 10th query needs a second tile and so a second KV read."""
+    flat = [1.0] * 17
+    tiled = [1.0 if g + 1 <= 9 else 2.0 for g in range(17)]
+    assert best_gamma(0.9, 0.1, flat) == 10
+    assert best_gamma(0.9, 0.1, tiled) == 8
+    # 17 queries in two tiles commit fewer tokens per read than 9 in one, even at alpha ~1
+    assert best_gamma(0.999, 0.001, flat) == 16 and best_gamma(0.999, 0.001, tiled) == 8
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.5, 1) == pytest.approx(1.5)
 
 
 def test_alpha_ema_reference_value():

@@ -64,6 +64,12 @@ class AttentionBackend:
         only where the heads are not sharded)."""
         return ref.page_scores_ref(q, lse, kv_cache, meta, scale)
 
+    def query_tile_tokens(self, group: int) -> int | None:
+        """Query tokens of one row that share a KV read (``group`` q heads per KV head); a row
+        of more queries reads its KV once per such tile. None: one read whatever the count
+        (this reference attends to a row's whole KV at once)."""
+        return None
+
 
 class BackendUnavailableError(ValueError):
     """An attention backend that cannot run here: a missing package (``package``, its pip name)

@@ -71,6 +71,9 @@ class FlashInferBackend(TritonBackend):
         self._wrappers: list[_Wrapper] = []
         self._next = 0  # ring position of the wrapper the next plan takes
 
+    def query_tile_tokens(self, group: int) -> int | None:
+        return None  # flashinfer chooses its own query tiles (not modelled)
+
     def attention(
         self,
         q: torch.Tensor,

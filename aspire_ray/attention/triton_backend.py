@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.attention_config import query_tile_tokens
 from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.page_scores import page_scores, token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
@@ -61,6 +62,9 @@ class TritonBackend(AttentionBackend):
         work: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         return page_scores(q, lse, kv_cache, meta, scale, work)
+
+    def query_tile_tokens(self, group: int) -> int | None:
+        return query_tile_tokens(self.config, group)
 
 
 register_backend("triton", TritonBackend)

@@ -63,7 +63,7 @@ class LLMEngine:
             info.kv_bytes_per_token, info.weight_bytes,
             info.memory_bandwidth))
         self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size,
-                                  info.num_layers)
+                                  info.num_layers, info.query_tile_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random()

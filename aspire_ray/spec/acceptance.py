@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def update_alpha(alpha: float, drafted: int, accepted: int, ema: float = 0.8) -> float:
     """EMA of alpha_hat = a / min(a + 1, d); a round with d = 0 drafts leaves alpha unchanged."""
@@ -9,6 +11,13 @@ def update_alpha(alpha: float, drafted: int, accepted: int, ema: float = 0.8) ->
         return alpha
     alpha_hat = accepted / min(accepted + 1, drafted)
     return ema * alpha + (1.0 - ema) * alpha_hat
+
+
+def expected_tokens(alpha: float, g: int) -> float:
+    """Tokens a verification of g drafts commits in expectation: (1 - a^(g+1)) / (1 - a)."""
+    if alpha >= 1.0:
+        return float(g + 1)
+    return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
 
 
 def expected_speedup(alpha: float, c: float, g: int) -> float:
@@ -31,4 +40,20 @@ def optimal_gamma(alpha: float, c: float, d_max: int) -> int:
             best_g, best = g, value
         elif value < best:
             break
+    return best_g
+
+
+def best_gamma(alpha: float, t_draft: float, t_verify: Sequence[float]) -> int:
+    """argmax over g in 0..len(t_verify) - 1 of the tokens a round commits per second,
+    ``expected_tokens(alpha, g) / (g * t_draft + t_verify[g])`` (first maximum on ties).
+
+    t_verify[g]: the time of a verification of g drafts. With one time for every g this is
+    ``optimal_gamma`` with c = t_draft / t_verify; where the time steps up (a row of g + 1
+    queries that needs another query tile reads its KV once more) the ratio is not
+    quasi-concave, so every g is scanned."""
+    best_g, best = 0, -1.0
+    for g, t_v in enumerate(t_verify):
+        value = expected_tokens(alpha, g) / (g * t_draft + t_v)
+        if value > best:
+            best_g, best = g, value
     return best_g

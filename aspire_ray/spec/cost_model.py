@@ -102,10 +102,15 @@ class KVReads:
 
     num_layers: int
     refresh_while_drafting: bool
+    # query tokens of a row that share one KV read (``ShardInfo.query_tile_tokens``); None:
+    # one read for any query count
+    query_tile: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.query_tile is not None and self.query_tile < 1:
+            raise ValueError(f"query_tile must be >= 1 or None, got {self.query_tile}")
 
     def draft(self, sparse_tokens: int, context_tokens: int) -> float:
         if not self.refresh_while_drafting:
@@ -113,10 +118,13 @@ class KVReads:
         n = self.num_layers
         return ((n - 1) * sparse_tokens + 1.5 * context_tokens) / n
 
-    @staticmethod
-    def full(context_tokens: int) -> float:
-        """A verify row or prefill chunk: the full list in every layer."""
-        return float(context_tokens)
+    def full(self, context_tokens: int, queries: int = 1) -> float:
+        """A verify row of ``queries`` queries: the full list in every layer, once per query
+        tile (a 6-query row of 7-head groups fits one 64-row tile; a 10-query row needs two,
+        and reads its KV twice: docs/benchmarks.md §8.20). Prefill chunks are charged one
+        read (their per-token term b_tok absorbs the rest)."""
+        tiles = 1 if self.query_tile is None else -(-queries // self.query_tile)
+        return float(context_tokens * tiles)
 
 
 @dataclass

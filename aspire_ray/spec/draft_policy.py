@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aspire_ray.config import SpecConfig
 from aspire_ray.plan import RowKind, RowPlan
 
-from .acceptance import optimal_gamma, update_alpha
+from .acceptance import best_gamma, update_alpha
 from .cost_model import CostModel, KVReads
 
 if TYPE_CHECKING:  # spec never imports the engine at run time
@@ -34,11 +34,12 @@ class Action(enum.Enum):
 
 class DraftPolicy:
     def __init__(self, cfg: SpecConfig, cost_model: CostModel | None, page_size: int,
-                 num_layers: int) -> None:
+                 num_layers: int, query_tile: int | None = None) -> None:  # fmt: skip
+        """query_tile: query tokens of a row that share one KV read (``KVReads``)."""
         self.cfg = cfg
         self.cost_model = cost_model
         self.page_size = page_size
-        self.kv_reads = KVReads(num_layers, cfg.refresh_while_drafting)
+        self.kv_reads = KVReads(num_layers, cfg.refresh_while_drafting, query_tile)
         # verifications with drafts after >= probe_every plain ones: the probes (aspire)
         self.num_probes = 0
 
@@ -56,6 +57,8 @@ class DraftPolicy:
         """The KV a row reads, in KV tokens (``KVReads``)."""
         if row.kind == RowKind.DRAFT:
             return self.kv_reads.draft(self.sparse_tokens(row.context_len), row.context_len)
+        if row.kind == RowKind.VERIFY:
+            return self.kv_reads.full(row.context_len, row.num_tokens)
         return self.kv_reads.full(row.context_len)
 
     def step_features(self, rows: list[RowPlan]) -> tuple[int, float]:
@@ -72,7 +75,7 @@ class DraftPolicy:
             drafts, ctx = kinds.count(-1), row.context_len
             tokens += drafts + sum(k + 1 for k in kinds if k >= 0)
             kv += drafts * self.kv_reads.draft(self.sparse_tokens(ctx), ctx) + \
-                (len(kinds) - drafts) * self.kv_reads.full(ctx)  # fmt: skip
+                sum(self.kv_reads.full(ctx, k + 1) for k in kinds if k >= 0)  # fmt: skip
         steps = max(row.num_steps for row in rows)
         return tokens / steps, kv / steps
 
@@ -87,15 +90,26 @@ class DraftPolicy:
         if rule == "fsm":
             return req.fsm_gamma
         # cost_model: the optimum, at least gamma_init before the first verification
-        ctx = req.num_tokens + len(req.drafts)
-        draft_kv = self.kv_reads.draft(self.sparse_tokens(ctx), ctx)
-        c = self.cost_model.draft_verify_ratio(batch, draft_kv, len(req.drafts), ctx)
-        gamma = optimal_gamma(req.alpha, c, self.cfg.max_drafts)
+        gamma = self.cost_optimal_gamma(req, batch)
         if not req.verified_once:
             gamma = max(gamma, self.cfg.gamma_init)
         if gamma == 0 and req.plain_verifies >= self.cfg.probe_every:
             gamma = 1  # probe: one draft, verified next step, feeds alpha and the cost model
         return gamma
+
+    def cost_optimal_gamma(self, req: Request, batch: int) -> int:
+        """The draft length that commits the most tokens per second in a batch of ``batch``
+        requests like this one (``acceptance.best_gamma``): one draft step and a verification
+        of each g <= max_drafts priced by the cost model, the verification's KV read once per
+        query tile of its g + 1 queries. Coefficients that price a step at no cost: 0."""
+        coef = self.cost_model.coef
+        ctx = req.num_tokens + len(req.drafts)
+        t_draft = coef.predict(batch, batch * self.kv_reads.draft(self.sparse_tokens(ctx), ctx))
+        t_verify = [coef.predict(batch * (g + 1), batch * self.kv_reads.full(ctx, g + 1))
+                    for g in range(self.cfg.max_drafts + 1)]  # fmt: skip
+        if not (t_draft > 0 and min(t_verify) > 0):
+            return 0
+        return best_gamma(req.alpha, t_draft, t_verify)
 
     def targets(self, reqs: list[Request], caps: list[int]) -> list[int]:
         """Each decoding request's draft length, clamped to max_drafts and to its cap."""

@@ -209,7 +209,7 @@ class AsyncStepGraphs:
                                fixed_plan=plan)  # fmt: skip
             flags.bitwise_or_(live.long() * _SCORED)
             hidden = sg.layers(t, lr + 1, len(layers), post, kv_caches)
-        argmax = self.model.compute_logits(hidden).argmax(dim=-1)  # [t]
+        argmax = self.model.greedy_tokens(hidden)  # [t]
 
         # draft rows: the argmax joins their drafts; verify rows: the accepted prefix
         draft = live & ~verify

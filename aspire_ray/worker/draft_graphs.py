@@ -209,9 +209,11 @@ class DraftStepGraphs:
                                sparse.kv_last_page_len, ps, fixed_plan=sparse.fixed_plan)
             flags.bitwise_or_(live.long() * _SCORED)
             hidden = self.step_graphs.layers(n, lr + 1, len(layers), post, kv_caches)
-        logits = self.model.compute_logits(hidden)
-        tokens = logits.argmax(dim=-1)
-        if variant is not None:  # as Worker._chain_tokens draws, at position context_len
+        if variant is None:
+            tokens = self.model.greedy_tokens(hidden)
+        else:  # as Worker._chain_tokens draws, at position context_len
+            logits = self.model.compute_logits(hidden)
+            tokens = logits.argmax(dim=-1)
             temperature, top_p = self.fstate[n]
             probs = sampler.probs_from_logits(logits, temperature, top_k, top_p, *variant)
             drawn = sampler.sample_from_probs(probs, seed, pos + 1, self.stream)

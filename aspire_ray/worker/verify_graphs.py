@@ -130,7 +130,7 @@ class VerifyGraphs:
             self._rescore(n, q, lse, kv_caches[lr], scale, start_pos, live, slot, row_slot)
             flags.bitwise_or_(live.long() * _SCORED)
             hidden = d.step_graphs.layers(t, lr + 1, len(layers), meta, kv_caches)
-        argmax = self.model.compute_logits(hidden[: n * q]).argmax(dim=-1).view(n, q)
+        argmax = self.model.greedy_tokens(hidden[: n * q]).view(n, q)
         accepted = (argmax[:, :-1] == tokens[:, 1:]).long().cumprod(dim=1).sum(dim=1)
         ids.copy_(torch.where(live, argmax.gather(1, accepted[:, None])[:, 0], ids))
         pos.copy_(torch.where(live, start_pos + accepted + 1, pos))

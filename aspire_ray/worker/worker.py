@@ -194,6 +194,7 @@ class Worker:
 
     def describe(self) -> ShardInfo:
         """What the driver needs to know about this shard."""
+        attn = self.model.layers[0].self_attn
         return ShardInfo(
             num_pages=self.num_pages,
             num_layers=self.arch.num_layers,
@@ -209,6 +210,7 @@ class Worker:
                              if "embed_tokens" not in name),
             memory_bandwidth=self.memory_bandwidth,
             tp_size=self.tp.size,
+            query_tile_tokens=self.backend.query_tile_tokens(attn.q_heads // attn.kv_heads),
         )
 
     # ---- one step ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from helpers import paged_case
 
 from aspire_ray.attention import get_backend
 from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.attention_config import query_tile_tokens
 from aspire_ray.kernels.paged_attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
@@ -107,6 +108,25 @@ def test_plan_splits_long_rows_only():
     chunks = sorted(zip(mine[2].tolist(), mine[3].tolist(), strict=True))
     assert chunks[0][0] == 0 and chunks[-1][1] == 8192
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+@pytest.mark.parametrize("group", [7, 3, 1])
+def test_query_tile_is_what_the_plan_reads(group):
+    """The cost model's query tile (``query_tile_tokens``, ShardInfo) is the planner's: a row
+    of q queries is cut into ceil(q / tile) query tiles, each reading the row's whole KV."""
+    tile = query_tile_tokens(DEFAULT_CONFIG, group)
+    assert tile == DEFAULT_CONFIG.block_m_max // group
+    n_qs = [1, tile, tile + 1, 2 * tile + 1]
+    meta = PagedKVMeta.build(n_qs, [list(range(i * 40, i * 40 + 40)) for i in range(4)],
+                             [640] * 4, 16)  # fmt: skip
+    plan = _plan(meta, group, 2, DEFAULT_CONFIG)
+    work = torch.cat([launch.work.cpu() for launch in plan.launches], dim=1)
+    for row, n_q in enumerate(n_qs):
+        mine = work[:, work[0] == row]
+        read = int((mine[3] - mine[2]).sum())  # KV tokens its items read
+        assert read == 640 * -(-n_q // tile), (row, n_q)
+    assert query_tile_tokens(DEFAULT_CONFIG, 128) == 1  # a group wider than the tile
+    assert get_backend("torch", torch.device("cpu")).query_tile_tokens(group) is None
 
 
 def _fixed_meta(plan: FixedPlan, rows: int, nnz: int, page_size: int) -> PagedKVMeta:
