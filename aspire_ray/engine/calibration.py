@@ -58,8 +58,9 @@ class CalibratedEngine(Protocol):
     max_model_len: int
 
 # 2: samples are whole worker steps (timings["total"]), not the forward;
-# 3: a draft row's kv_tokens include its refresh-layer full-list read (KVReads)
-FORMAT_VERSION = 3
+# 3: a draft row's kv_tokens include its refresh-layer full-list read (KVReads);
+# 4: a verify row's kv_tokens count one read per query tile of its queries
+FORMAT_VERSION = 4
 _GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
 
