@@ -153,3 +153,32 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2I] -> silu(gate) * up with gate, up = x.chunk(2, -1)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def choose_top_pages_ref(template: torch.Tensor, pages: torch.Tensor, scores: torch.Tensor,
+                         rows: torch.Tensor, has_scores: torch.Tensor, first: int,
+                         max_candidates: int) -> torch.Tensor:  # fmt: skip
+    """Fill the top-k middle of each listed row's sparse page list; returns a new kv_indices.
+
+    template: int32 [nnz] (every other page in place); pages: int32 [slots, W] the page table;
+    scores: float32 [slots + 1, S] page scores by slot; rows: int32 [4, R] per row: slot,
+    candidate count, n_top, offset of the middle in ``template``; has_scores: bool [R] (rows
+    never scored rank their candidates by index); first: logical index of the first candidate
+    page; max_candidates: max over rows of the candidate count (a host int, so no sync).
+    The chosen pages are the n_top first of a stable descending sort of the scores (ties to
+    the lower page), missing scores 0, written in ascending page order."""
+    slot, n_cand, n_top, dst = rows.long().unbind(0)
+    col = torch.arange(max_candidates, device=template.device)
+    vals = scores.index_select(0, slot)[:, first : first + max_candidates]
+    vals = torch.where(has_scores[:, None], vals, col.float()[None, :])
+    vals = vals.masked_fill(col[None, :] >= n_cand[:, None], float("-inf"))
+    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    rank_ok = (col[None, :] < n_top[:, None]).expand_as(order)
+    chosen = torch.zeros_like(rank_ok).scatter_(1, order, rank_ok)
+    pos = chosen.long().cumsum(1) - 1  # ascending page order within the middle
+    phys = pages[slot[:, None], (first + col).clamp_(max=pages.shape[1] - 1)[None, :]]
+    nnz = template.shape[0]
+    dest = torch.where(chosen, dst[:, None] + pos, nnz)  # unchosen: a dummy slot past the end
+    out = torch.cat([template, template.new_zeros(1)])
+    out.scatter_(0, dest.flatten(), phys.flatten())
+    return out[:nnz]

@@ -14,6 +14,8 @@ import torch
 
 from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import score_items
+from aspire_ray.kernels.reference import choose_top_pages_ref
+from aspire_ray.model.rotary import fused_ops
 
 from .page_table import gather_lists, list_capacity
 
@@ -75,31 +77,15 @@ class PageScoreTable:
 def choose_top_pages(template: torch.Tensor, pages: torch.Tensor, table: PageScoreTable,
                      rows: torch.Tensor, has_scores: torch.Tensor, first: int,
                      max_candidates: int) -> torch.Tensor:  # fmt: skip
-    """Fill the top-k middle of each listed row's sparse page list; returns a new kv_indices.
+    """Fill the top-k middle of each listed row's sparse page list; returns a new kv_indices
+    (``reference.choose_top_pages_ref`` says what and with which shapes; on a GPU one Triton
+    launch, ``kernels/top_pages.py``, for the sort and ~15 tensor ops of the reference)."""
+    if fused_ops(template):
+        from aspire_ray.kernels.top_pages import choose_top_pages as kernel
 
-    template:     int32 [nnz] the step's sparse kv_indices with every other page in place
-    pages:        int32 [slots, width] the device page table (physical page ids by slot)
-    rows:         int32 [4, R] per row: slot, candidate count, n_top, offset of the middle in
-                  ``template``
-    has_scores:   bool [R] whether the row's request has been scored
-    first:        logical index of the first candidate page (the same for every row)
-    max_candidates: max over rows of the candidate count (host int, so no sync)
-    """
-    slot, n_cand, n_top, dst = rows.long().unbind(0)
-    col = torch.arange(max_candidates, device=template.device)
-    vals = table.scores.index_select(0, slot)[:, first : first + max_candidates]
-    vals = torch.where(has_scores[:, None], vals, col.float()[None, :])
-    vals = vals.masked_fill(col[None, :] >= n_cand[:, None], float("-inf"))
-    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-    rank_ok = (col[None, :] < n_top[:, None]).expand_as(order)
-    chosen = torch.zeros_like(rank_ok).scatter_(1, order, rank_ok)
-    pos = chosen.long().cumsum(1) - 1  # ascending page order within the middle
-    phys = pages[slot[:, None], (first + col).clamp_(max=pages.shape[1] - 1)[None, :]]
-    nnz = template.shape[0]
-    dest = torch.where(chosen, dst[:, None] + pos, nnz)  # unchosen: a dummy slot past the end
-    out = torch.cat([template, template.new_zeros(1)])
-    out.scatter_(0, dest.flatten(), phys.flatten())
-    return out[:nnz]
+        return kernel(template, pages, table.scores, rows, has_scores, first, max_candidates)
+    return choose_top_pages_ref(template, pages, table.scores, rows, has_scores, first,
+                                max_candidates)  # fmt: skip
 
 
 def listed_page_scores(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor,
