@@ -182,3 +182,23 @@ def choose_top_pages_ref(template: torch.Tensor, pages: torch.Tensor, scores: to
     out = torch.cat([template, template.new_zeros(1)])
     out.scatter_(0, dest.flatten(), phys.flatten())
     return out[:nnz]
+
+
+def gather_lists_ref(table: torch.Tensor, counts: torch.Tensor, logical: torch.Tensor,
+                     row_slot: torch.Tensor, capacity: int) -> tuple[torch.Tensor,
+                                                                     torch.Tensor]:  # fmt: skip
+    """Row r lists the pages logical[r, :counts[r]] (at most L = logical's columns) of
+    page-table row row_slot[r] (table: int32 [slots, W]; columns clamped into it) ->
+    (kv_indptr int32 [R + 1] from the counts, kv_indices int32 [capacity], 0 past
+    kv_indptr[R])."""
+    r = counts.shape[0]
+    indptr = torch.zeros(r + 1, dtype=torch.long, device=counts.device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    j = torch.arange(logical.shape[1], device=counts.device)[None, :]
+    phys = table[row_slot[:, None], logical.clamp(0, table.shape[1] - 1)]
+    dest = torch.where(j < counts[:, None], indptr[:-1, None] + j, capacity)
+    indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
+    indices.scatter_(0, dest.flatten(), phys.flatten())
+    return indptr.int(), indices[:capacity]
+
+

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from aspire_ray.kernels.host import ragged_arange, upload
+from aspire_ray.kernels.reference import gather_lists_ref
+from aspire_ray.model.rotary import fused_ops
 
 
 class PageTable:
@@ -93,17 +95,14 @@ def gather_lists(table: torch.Tensor, counts: torch.Tensor, logical: torch.Tenso
                  row_slot: torch.Tensor, capacity: int) -> tuple[torch.Tensor,
                                                                  torch.Tensor]:  # fmt: skip
     """Row r lists the pages logical[r, :counts[r]] of page-table row row_slot[r] (table: int32
-    [slots, W]) -> (kv_indptr int32 [R + 1], kv_indices int32 [capacity]; entries past
-    kv_indptr[R] unused). Fixed shapes: capturable."""
-    r = counts.shape[0]
-    indptr = torch.zeros(r + 1, dtype=torch.long, device=counts.device)
-    indptr[1:] = torch.cumsum(counts, 0)
-    j = torch.arange(logical.shape[1], device=counts.device)[None, :]
-    phys = table[row_slot[:, None], logical.clamp(0, table.shape[1] - 1)]
-    dest = torch.where(j < counts[:, None], indptr[:-1, None] + j, capacity)
-    indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
-    indices.scatter_(0, dest.flatten(), phys.flatten())
-    return indptr.int(), indices[:capacity]
+    [slots, W]) -> (kv_indptr int32 [R + 1], kv_indices int32 [capacity]; 0 past
+    kv_indptr[R]). Fixed shapes: capturable. On a GPU one Triton launch
+    (``kernels/list_gather.py``); the meaning is ``reference.gather_lists_ref``."""
+    if fused_ops(table):
+        from aspire_ray.kernels.list_gather import gather_lists as kernel
+
+        return kernel(table, counts, logical, row_slot, capacity)
+    return gather_lists_ref(table, counts, logical, row_slot, capacity)
 
 
 def list_capacity(rows: int, table: torch.Tensor, pool_pages: int) -> int:
