@@ -200,5 +200,3 @@ def gather_lists_ref(table: torch.Tensor, counts: torch.Tensor, logical: torch.T
     indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
     indices.scatter_(0, dest.flatten(), phys.flatten())
     return indptr.int(), indices[:capacity]
-
-

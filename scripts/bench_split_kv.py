@@ -38,8 +38,8 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "stages4": {"num_stages": 4},
     "warps2": {"num_warps": 2},
     "warps8": {"num_warps": 8},
-    # rows of several queries in 16- or 32-row tiles: each tile reads the chunk (L2 may serve
-    # the repeats) but pads fewer rows than one 64-row tile
+    # rows of several queries in 16- or 32-row tiles: fewer padded rows than one 64-row tile,
+    # but each tile reads the chunk again (on the H200 L2 does not serve the repeats: §8.20)
     "m16": {"block_m_max": 16},
     "m32": {"block_m_max": 32},
     "m16_n64": {"block_m_max": 16, "block_n": 64},
