@@ -106,6 +106,8 @@ def test_cost_optimal_gamma_sees_query_tiles():
         req.alpha, req.verified_once = 0.97, True
         gammas.append(policy.cost_optimal_gamma(req, batch=64))
     assert gammas == [10, 8]
+    model.coef = CostCoefficients(0.0, 0.0, 0.0, r2=1.0)  # steps priced free: no division by 0
+    assert policy.cost_optimal_gamma(req, batch=64) == 0
 
 
 # ---- physics bounds --------------------------------------------------------------------------
