@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--runs", type=int, default=2, help="plans profiled (after two warm ones)")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--timeline", type=int, default=0,
+                   help="also list the first N kernels in order (start, name, us)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = dict(model=args.model) if args.model else \
@@ -61,10 +63,13 @@ def main() -> None:
     steps = {k: v - steps_before.get(k, 0) for k, v in engine.step_kinds.items()}
     n_steps = sum(steps.values())
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kernels_in_order = []  # (start us, name, us): where one step's time goes, kernel by kernel
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_name[e.name][0] += e.device_time_total / 1e3
             by_name[e.name][1] += 1
+            kernels_in_order.append((e.time_range.start, e.name[:48], e.device_time_total))
+    kernels_in_order.sort()
     total = sum(v[0] for v in by_name.values())
     kernels = sum(v[1] for v in by_name.values())
     report = {"mode": args.mode, "shapes": args.shapes, "context": args.context,
@@ -72,11 +77,26 @@ def main() -> None:
               "kernels_per_step": kernels / n_steps,
               "top": [(name[:90], round(ms / n_steps, 4), cnt // n_steps)
                       for name, (ms, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])
-                      [: args.top]]}  # fmt: skip
+                      [: args.top]],
+              # GPU time between the first and the last kernel, over the kernels' own time:
+              # the gaps are launches, drains and host waits
+              "span_ms_per_step": (kernels_in_order[-1][0] - kernels_in_order[0][0]) / 1e3
+              / n_steps if kernels_in_order else 0.0,
+              "timeline": _timeline(kernels_in_order, args.timeline),
+              "cost_model": engine.cost_model.summary(),
+              "calibration_samples": engine.calibration and engine.calibration.samples}  # fmt: skip
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _timeline(kernels: list[tuple[float, str, float]], n: int) -> list[tuple[float, str, float]]:
+    """The first n kernels as (start us from the first, name, us)."""
+    if not kernels or n <= 0:
+        return []
+    t0 = kernels[0][0]
+    return [(round(t - t0, 1), name, round(us, 1)) for t, name, us in kernels[:n]]
 
 
 if __name__ == "__main__":

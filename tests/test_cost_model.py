@@ -259,6 +259,18 @@ def test_prediction_error_is_tracked_by_step_kind():
     )
 
 
+def test_prefill_steps_are_priced_but_not_fitted():
+    # a prefill chunk's compute-bound attention is not the linear model's: on an H200, 133
+    # chunks of 32k prompts in the window refused every fit (r2 0.70)
+    cfg = _cfg(calibrate="off", async_steps=1)
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    _drive(engine, prompts=5, max_tokens=50, stagger=3)
+    err = engine.stats()["cost_model"]["prediction_error"]
+    fitted = sum(e["steps"] for kind, e in err.items() if kind != "prefill")
+    assert err["prefill"]["steps"] > 0
+    assert engine.cost_model.num_samples == fitted
+
+
 def test_cpu_worker_describes_its_bytes_and_measures_no_bandwidth(tiny_model_dir):
     cfg = build_engine_config(
         tiny_model_dir("llama"), spec_mode="aspire", num_pages=40, calibrate="off"

@@ -274,7 +274,12 @@ class LLMEngine:
             model = self.cost_model
             kind = "mixed" if label == "async" else _cost_kind(kinds)
             model.errors.record(kind, model.predict(n_tokens, kv), seconds)
-            model.add_sample(n_tokens, kv, seconds)
+            # a prefill chunk's attention is compute-bound and grows with chunk x context,
+            # which the linear model cannot follow: 133 chunks of 32k prompts in the window
+            # pulled an H200's fit to r2 0.70 and it fell back to the built-in prior (and so
+            # did every refit after). Decode steps are what the scheduler prices.
+            if kind != "prefill":
+                model.add_sample(n_tokens, kv, seconds)
             if self.step_count % self.cfg.spec.refit_every == 0:
                 model.fit()
 
