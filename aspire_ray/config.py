@@ -173,6 +173,18 @@ class SpecConfig:
     # `ar` against 0.65x with 1 and 0.90x with 32 (docs/benchmarks.md §8.17). 1: one plan
     # per step.
     async_steps: int = 16
+    # Zero-bubble asynchronous runs (issue 14 item 2): on the GPU the worker starts this many
+    # steps of the next run (the same rows, their promised draft lengths) before it waits for
+    # the current run's tokens, so that the GPU works while the host commits, schedules and
+    # plans. The next plan either matches what was started (rows may have finished; then it
+    # continues on the device) or the started steps are dropped: their KV lies past every
+    # row's exact tokens and is rewritten before it is read. 0: off.
+    async_overlap_steps: int = 4  # at most async_steps of them are started
+
+    @property
+    def overlap_steps(self) -> int:
+        """Steps of the next asynchronous run started early (``async_overlap_steps``)."""
+        return min(self.async_overlap_steps, self.async_steps)
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES,
@@ -197,6 +209,8 @@ class SpecConfig:
         _require(1 <= self.ar_chain <= 64, f"ar_chain must be in [1, 64], got {self.ar_chain}")
         _require(1 <= self.async_steps <= 64,
                  f"async_steps must be in [1, 64], got {self.async_steps}")
+        _require(0 <= self.async_overlap_steps <= 64,
+                 f"async_overlap_steps must be in [0, 64], got {self.async_overlap_steps}")
         _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
 
     def sparse_budget(self, num_pages: int) -> int:

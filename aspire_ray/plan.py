@@ -68,6 +68,10 @@ class RowPlan:
     # verify_after holds the tokens known when the run starts, [x_n, d_1..d_d0]; the result's
     # ``verified`` and ``rounds`` hold the run's segments (``async_kinds``)
     async_gamma: int | None = None
+    # with async_gamma: the draft length of the row in the run after this one, if that run
+    # keeps this row (the worker may start that run's first steps before this plan returns:
+    # ``SpecConfig.async_overlap_steps``); None: no such promise
+    next_async_gamma: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,12 +91,7 @@ class RowPlan:
         """The steps of an asynchronous run (``async_gamma``): -1 where the row drafts, else
         the number of drafts it verifies (the step's queries are that plus one). Known before
         the run: it follows the drafts held, never what the verifications accept."""
-        held, kinds = len(self.verify_after) - 1, []
-        for _ in range(self.num_steps):
-            verifies = held >= self.async_gamma
-            kinds.append(held if verifies else -1)
-            held = 0 if verifies else held + 1
-        return kinds
+        return async_kinds(len(self.verify_after) - 1, self.async_gamma, self.num_steps)
 
     def next_round(self, committed: list[int]) -> RowPlan:
         """The row of the round after this one (``num_rounds``), given the tokens this one's
@@ -108,6 +107,24 @@ class RowPlan:
         return RowPlan(self.req_id, RowKind.VERIFY, known + drafts,
                        self.start_pos - (len(known) - 1), 0, [],
                        num_drafts=len(known) - 1 + len(drafts))  # fmt: skip
+
+
+def async_kinds(held: int, gamma: int, steps: int) -> list[int]:
+    """``RowPlan.async_kinds`` of a row that starts a run of ``steps`` steps holding ``held``
+    drafts, with draft length ``gamma``."""
+    kinds = []
+    for _ in range(steps):
+        verifies = held >= gamma
+        kinds.append(held if verifies else -1)
+        held = 0 if verifies else held + 1
+    return kinds
+
+
+def held_after(kinds: list[int], held: int) -> int:
+    """Drafts a row holds after a run of these ``async_kinds``, starting with ``held``."""
+    for kind in kinds:
+        held = 0 if kind >= 0 else held + 1
+    return held
 
 
 @dataclass(frozen=True)

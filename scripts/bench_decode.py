@@ -61,7 +61,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
     VARIANTS, gN (gamma = N), rN (N rounds per plan), aN (``ar``: N decode steps per plan),
-    sN (``aspire``: N steps per asynchronous run) or dN (d_max = N), or several joined by
+    sN (``aspire``: N steps per asynchronous run), oN (``aspire``: N steps of the next run
+    started early, ``async_overlap_steps``) or dN (d_max = N), or several joined by
     "+", e.g. "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
@@ -74,6 +75,8 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["ar_chain"] = int(part[1:])
         elif re.fullmatch(r"s\d+", part):  # aspire: steps per asynchronous run
             options["async_steps"] = int(part[1:])
+        elif re.fullmatch(r"o\d+", part):  # aspire: next-run steps started early
+            options["async_overlap_steps"] = int(part[1:])
         elif re.fullmatch(r"d\d+", part):  # the most drafts a request may hold
             options["d_max"] = int(part[1:])
         elif part in VARIANTS:

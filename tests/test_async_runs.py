@@ -7,12 +7,15 @@ emulated by EagerGraph), and the graphs draft and verify what the host-planned s
 from __future__ import annotations
 
 import pytest
+from fake_executor import FakeExecutor
 from helpers import random_prompts, run_staggered, use_eager_graphs
 
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.engine.request import Status
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, RowPlan
+from aspire_ray.plan import RowKind, RowPlan, async_kinds, held_after
+from aspire_ray.worker.async_runs import AsyncTrack, Started
 
 SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6, gamma_init=3)
 
@@ -89,13 +92,111 @@ def test_async_graphs_run_as_planned_steps(tiny_model_dir):
     # rows from their query, verify rows from their first and last); ragged rows' attention
     # work planned on the device
     model_dir = tiny_model_dir("llama")
-    planned = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton")
+    # ... with no run started early (a started run that is dropped leaves its page scores
+    # behind, and later drafts may differ; the tokens do not: the test below)
+    planned = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
+                      async_overlap_steps=0)  # fmt: skip
     use_eager_graphs(planned, draft_graphs=False)
     on_host = _recording(planned.executor.worker)
     expected = _greedy(planned)
-    engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton")
+    engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
+                     async_overlap_steps=0)  # fmt: skip
     w = use_eager_graphs(engine)
     on_graphs = _recording(w)
     assert _greedy(engine) == expected
     assert w.async_graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
     assert on_graphs == on_host and len(on_host) > 6  # the same drafts and verifications
+
+
+# ---- zero-bubble runs (SpecConfig.async_overlap_steps) ---------------------------------------
+def test_held_after_and_kinds_of_the_next_run():
+    kinds = async_kinds(2, 3, 6)  # one draft, verify 3, three drafts, verify 3
+    assert kinds == [-1, 3, -1, -1, -1, 3] and held_after(kinds, 2) == 0
+    assert held_after(async_kinds(0, 4, 7), 0) == 2  # four drafts, verify, two drafts
+    assert held_after([], 5) == 5
+
+
+def _async_plans(engine):
+    """Record each asynchronous plan's rows."""
+    plans, execute = [], engine.executor.execute
+
+    def recording(plan):
+        if plan.rows and plan.rows[0].async_gamma is not None:
+            plans.append({row.req_id: row for row in plan.rows})
+        return execute(plan)
+
+    engine.executor.execute = recording
+    return plans
+
+
+@pytest.mark.parametrize("overlap", [0, 4])
+def test_a_run_keeps_the_draft_lengths_the_last_one_promised(overlap):
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire", calibrate="off",
+                              async_steps=6, async_overlap_steps=overlap)  # fmt: skip
+    fake = FakeExecutor(cfg)
+    engine = LLMEngine(cfg, executor=fake)
+    plans = _async_plans(engine)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [(5 * i + j) % 256 for j in range(200 + 40 * i)], params)
+    ps = cfg.cache.page_size
+    checked = 0
+    while engine.has_unfinished():
+        runs = len(plans)
+        engine.step()
+        if len(plans) > runs:  # after a run: the pages the next run's first steps may use
+            for rid, row in plans[-1].items():
+                req = engine.requests.get(rid)
+                if req is not None and req.status == Status.RUNNING:
+                    assert len(fake.tables[rid]) * ps >= row.final_context_len + overlap
+                    checked += 1
+    assert checked > 10
+    kept = 0
+    for before, after in zip(plans, plans[1:], strict=False):
+        for rid, row in after.items():
+            if rid in before and row.num_steps == 6:
+                if overlap:  # this run's draft length: the last run's promise
+                    assert row.async_gamma == before[rid].next_async_gamma
+                kept += 1
+    assert kept > 10
+    if not overlap:  # nothing started early: each run takes its fresh draft length
+        assert all(r.async_gamma == r.next_async_gamma for p in plans for r in p.values())
+
+
+def test_a_started_run_continues_only_as_started():
+    row = RowPlan("a", RowKind.DRAFT, [7], 11, 4, [], num_steps=6, verify_after=[5, 6, 7],
+                  async_gamma=3)  # fmt: skip
+    track = AsyncTrack(row)
+    started = Started(8, ["a", "b", None], {"a": 3, "b": 2}, 6, {"a": track.kinds, "b": []},
+                      [[1, 1, 0], [1, 3, 0]], [])  # fmt: skip
+    started.learn_starts([track], page_size=4)  # two steps: KV at positions 11 and 12
+    assert started.starts == {"a": ([5, 6, 7], 11)} and started.pages == {"a": 4}
+    assert started.continues([row], [track])  # "b" stopped: "a" continues in its place
+
+    def variant(**kw):
+        r = RowPlan(**{**row.__dict__, **kw})
+        return started.continues([r], [AsyncTrack(r)])
+
+    assert not variant(async_gamma=2)  # another draft length
+    assert not variant(num_steps=5)  # another length
+    assert not variant(pages_keep=3)  # a page the started steps used was replaced
+    assert not variant(start_pos=12, verify_after=[5, 6, 7, 8])  # other tokens known
+    assert not variant(req_id="c")  # a row that was not started
+    started.starts.clear()  # the last run's tokens were never taken
+    assert not started.continues([row], [track])
+
+
+@pytest.mark.slow
+def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
+    # the next run's first steps start before the current run's tokens are known; requests
+    # that finish in between drop out of the started run (staggered lengths), the others
+    # continue it on the device: the output is `ar`'s
+    model_dir = tiny_model_dir("llama")
+    expected = _greedy(_engine(model_dir, "ar"), max_tokens=30)
+    engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
+                     async_overlap_steps=2)  # fmt: skip
+    w = use_eager_graphs(engine)
+    assert _greedy(engine, max_tokens=30) == expected
+    graphs = w.async_graphs
+    assert graphs.runs_started >= 4 and graphs.runs_continued >= 2, \
+        (graphs.runs_started, graphs.runs_continued)  # fmt: skip

@@ -27,7 +27,7 @@ SMOLLM2_SHAPES = dict(model_type="llama", hidden_size=576, intermediate_size=153
                       tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
-def _run(mode, dtype, temperature=0.0, **kw):
+def _run(mode, dtype, temperature=0.0, max_tokens=32, **kw):
     # contexts up to 1200 tokens: with k_min=8 pages draft rows are really sparse, and rows
     # over 32 pages take the split-KV path
     cfg = build_engine_config("dummy", load_format="dummy", hf_overrides=SMOLLM2_SHAPES,
@@ -39,8 +39,8 @@ def _run(mode, dtype, temperature=0.0, **kw):
     assert worker.backend.name == "triton"
     assert (worker.graphs is not None) == cfg.cuda_graphs
     prompts = random_prompts(6, [1, 300, 1200], vocab=49152, seed=5)
-    params = [SamplingParams(max_tokens=32, temperature=temperature, top_p=0.9 if temperature
-                             else 1.0, seed=i, ignore_eos=True)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                             top_p=0.9 if temperature else 1.0, seed=i, ignore_eos=True)
               for i in range(len(prompts))]  # fmt: skip
     out = run_staggered(engine, prompts, params, arrive_every=2)
     _run.last_worker = worker
@@ -106,3 +106,14 @@ def test_async_graphs_on_gpu(mode):
                                                                         async_steps=1)
     assert graphed == _run("ar", "float32")
     assert steps > 20, "steps did not replay the asynchronous graphs"
+
+
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fsm"])
+def test_runs_started_early_on_gpu(mode):
+    # zero-bubble runs: the next run's first steps replay before the current run's tokens
+    # reach the host; the same fp32 output with them as without them and as ar
+    overlapped = _run(mode, "float32", max_tokens=96)
+    graphs = _run.last_worker.async_graphs
+    assert overlapped == _run(mode, "float32", max_tokens=96, async_overlap_steps=0)
+    assert overlapped == _run("ar", "float32", max_tokens=96)
+    assert graphs.runs_continued >= 3, (graphs.runs_started, graphs.runs_continued)

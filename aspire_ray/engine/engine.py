@@ -163,7 +163,8 @@ class LLMEngine:
             if committed:
                 changed.append(req)
             if req.status == Status.RUNNING:  # after all rounds: their KV is in these pages
-                self.scheduler.truncate_pages(req)
+                lookahead = self.scheduler.lookahead_tokens if row.async_gamma is not None else 0
+                self.scheduler.truncate_pages(req, lookahead)
         return changed
 
     def _commit_row(self, req: Request, row: RowPlan, res: RowResult, now: float) -> bool:

@@ -34,6 +34,9 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self._unscheduled: list[Request] = []  # see schedule()
+        # draft lengths the last asynchronous run promised for the run after it (its rows'
+        # next_async_gamma): the worker may have started that run with them
+        self._promised: dict[str, int] = {}
         self.headroom_tokens = (cfg.admission_headroom_tokens
                                 if cfg.admission_headroom_tokens is not None
                                 else policy.cfg.plan_growth_tokens)  # fmt: skip
@@ -74,9 +77,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def truncate_pages(self, req: Request) -> None:
-        """Return pages past the exact KV (after a verification rejected drafts)."""
-        keep = self.blocks.pages_for(req.num_computed + len(req.drafts))
+    def truncate_pages(self, req: Request, lookahead: int = 0) -> None:
+        """Return pages past the exact KV (after a verification rejected drafts) and
+        ``lookahead`` tokens more (the pages an asynchronous run's successor may be using)."""
+        keep = self.blocks.pages_for(req.num_computed + len(req.drafts) + lookahead)
         if keep < len(req.pages):
             self.blocks.free(req.req_id, req.pages[keep:])
             del req.pages[keep:]
@@ -99,7 +103,8 @@ class Scheduler:
         decoding = [] if self.pause_decoding else [r for r in self.running if not r.in_prefill]
         caps = [self.draft_cap(r) for r in decoding]
         alone = bool(decoding) and len(decoding) == len(self.running) and not self.waiting
-        gammas = self._async_gammas(decoding, caps, budget) if alone else None
+        promised, self._promised = self._promised, {}
+        gammas = self._async_gammas(decoding, caps, budget, promised) if alone else None
         decided = [Action.DRAFT] * len(decoding) if gammas else \
             self.policy.decide(decoding, caps)  # fmt: skip
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
@@ -126,7 +131,8 @@ class Scheduler:
             if self.pause_decoding and not req.in_prefill:
                 continue
             if gammas:
-                row = self._async_row(req, gammas[req.req_id], chain)
+                row = self._async_row(req, gammas[req.req_id], chain,
+                                      self._promised[req.req_id])  # fmt: skip
             else:
                 row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
                                     rounds)  # fmt: skip
@@ -134,6 +140,8 @@ class Scheduler:
                 continue
             if not self._ensure_pages(req, row.final_context_len):
                 continue  # req itself was preempted
+            if gammas:
+                self._lookahead_pages(req, row.final_context_len)
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
         # no admissions beside a chain (a request it preempted waits for the next step)
@@ -171,8 +179,8 @@ class Scheduler:
         k = min(self.policy.cfg.ar_chain, max(r.remaining_tokens for r in reqs))
         return max(1, min(k, min(self.max_model_len - r.num_tokens + 1 for r in reqs)))
 
-    def _async_gammas(self, reqs: list[Request], caps: list[int],
-                      budget: int) -> dict[str, int] | None:  # fmt: skip
+    def _async_gammas(self, reqs: list[Request], caps: list[int], budget: int,
+                      promised: dict[str, int]) -> dict[str, int] | None:  # fmt: skip
         """Each request's draft length for an asynchronous run (``SpecConfig.async_steps``),
         or None where none runs: a synchronized mode or no drafts, async_steps 1, a sampled
         request (runs verify greedily on the device), or a step that may not fit the token
@@ -182,9 +190,18 @@ class Scheduler:
                 or not all(r.sampling.greedy for r in reqs):  # fmt: skip
             return None
         gammas = self.policy.targets(reqs, caps)
-        if sum(max(len(r.drafts), g) + 1 for r, g in zip(reqs, gammas, strict=True)) > budget:
-            return None
-        return {r.req_id: g for r, g in zip(reqs, gammas, strict=True)}
+        if not spec.overlap_steps:  # nothing starts early: no promise to keep
+            promised = {}
+        # this run keeps the last run's promise (the worker may have started it with those);
+        # the fresh choice is this run's promise for the next
+        now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, gammas, caps,
+                                                                          strict=True)]
+        for draft_lengths in (now, gammas):
+            if sum(max(len(r.drafts), g) + 1
+                   for r, g in zip(reqs, draft_lengths, strict=True)) > budget:  # fmt: skip
+                return None
+        self._promised = {r.req_id: g for r, g in zip(reqs, gammas, strict=True)}
+        return {r.req_id: g for r, g in zip(reqs, now, strict=True)}
 
     def _async_length(self, reqs: list[Request]) -> int:
         """Steps of an asynchronous run: no more than any request still wants (a step moves a
@@ -193,12 +210,26 @@ class Scheduler:
         room = min(self.max_model_len - r.num_tokens - len(r.drafts) for r in reqs)
         return max(1, min(k, room))
 
-    def _async_row(self, req: Request, gamma: int, steps: int) -> RowPlan:
+    def _async_row(self, req: Request, gamma: int, steps: int, next_gamma: int) -> RowPlan:
         """The request's row of an asynchronous run (``RowPlan.async_gamma``)."""
         token = req.drafts[-1] if req.drafts else req.last_token
         return RowPlan(req.req_id, RowKind.DRAFT, [token], req.num_tokens - 1 + len(req.drafts),
                        0, [], num_steps=steps, verify_after=[req.last_token] + req.drafts,
-                       async_gamma=gamma)  # fmt: skip
+                       async_gamma=gamma, next_async_gamma=next_gamma)  # fmt: skip
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """KV tokens past an asynchronous run's end that the worker may write before the next
+        plan comes (``SpecConfig.async_overlap_steps``: one position per step)."""
+        return self.policy.cfg.overlap_steps
+
+    def _lookahead_pages(self, req: Request, context_len: int) -> None:
+        """Pages for the next run's first steps, where free pages are left (never by
+        preemption: without them the worker just does not start that run early)."""
+        tokens = min(context_len + self.lookahead_tokens, self.max_model_len)
+        need = self.blocks.pages_for(tokens) - len(req.pages)
+        if need > 0 and self.blocks.can_allocate(need):
+            req.pages += self.blocks.allocate(req.req_id, need)
 
     def _rounds(self, reqs: list[Request], k: int) -> int:
         """Rounds of k drafts of a greedy synchronized batch in one plan

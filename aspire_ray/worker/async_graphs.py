@@ -74,6 +74,11 @@ class AsyncStepGraphs:
         self._key = None
         self._pool_pages = 0
         self.steps = 0  # steps replayed
+        # the request of each row of the state on the device (None: padding, or a row that
+        # stopped): rows of a run continued on the device keep their places
+        self.row_ids: list[str | None] = []
+        self.started = None  # the next run's first steps, if started (async_runs.Started)
+        self.runs_started = self.runs_continued = 0  # runs begun early; of them, continued
 
     def fits(self, rows: int, layout: list[list[int]]) -> bool:
         """Whether a run of ``rows`` rows with these queries per step (``layout[s][r]``) has
@@ -240,10 +245,7 @@ class AsyncStepGraphs:
         step's argmax over its queries, int64 [sum(layout[s])], on the device, no sync."""
         n = next(b for b in self.row_buckets if b >= len(rows))
         buckets = [self.pieces.bucket(sum(q)) for q in layout]
-        if self.scores is not None:  # before the capture check: a resize means a recapture
-            self.scores.ensure_slots(self.page_table.slots)
-            self.scores.ensure_width(self.page_table.width)
-        self.page_table.flush()
+        self._sync_tables()
         for t in sorted(set(buckets), reverse=True):
             self.ensure(n, t, kv_caches)
         state = np.zeros((6, n), dtype=np.int64)
@@ -255,9 +257,45 @@ class AsyncStepGraphs:
             chain[: len(known) - 1, i] = known[1:]
         upload(state, self.pieces.device, self.state[n])
         upload(chain, self.pieces.device, self.chain[n])
+        self.row_ids = [row.req_id for row in rows] + [None] * (n - len(rows))
+        return self.replay(n, layout)
+
+    # ---- a run continued on the device ---------------------------------------------------------
+    def _sync_tables(self) -> None:
+        if self.scores is not None:  # before the capture check: a resize means a recapture
+            self.scores.ensure_slots(self.page_table.slots)
+            self.scores.ensure_width(self.page_table.width)
+        self.page_table.flush()
+
+    def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor]) -> bool:
+        """Whether the state on the device (``n`` rows) can run steps of this layout without a
+        capture (a capture zeroes the state): the tables did not move, every graph exists."""
+        self._sync_tables()
+        if self._tables_key(kv_caches) != self._key or n not in self.state:
+            return False
+        for q in layout:
+            t = self.pieces.bucket(sum(q))
+            if t is None or (n, t) not in self.graphs or max(q) > self.max_q:
+                return False
+        return True
+
+    def set_rows(self, n: int, gammas: list[int], keep: list[bool] | None = None) -> None:
+        """The device rows' draft lengths from now on; rows not in ``keep`` stop (no query,
+        no page, no KV written). Stream-ordered: steps replayed before are unaffected."""
+        dev = self.pieces.device
+        upload(np.asarray(gammas, dtype=np.int64), dev, self.state[n][2])
+        if keep is not None:
+            self.state[n][1].mul_(upload(np.asarray(keep, dtype=np.int64), dev))
+            self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=True)]
+
+    def replay(self, n: int, layout: list[list[int]]) -> list[torch.Tensor]:
+        """Steps from the state on the device (``ready``; layout[s][r]: device row r's queries
+        at step s, 0 for a stopped row) -> each step's argmax over its queries, int64
+        [sum(layout[s])], on the device, no sync."""
         outs = []
-        for s, t in enumerate(buckets):
+        for q in layout:
+            t = self.pieces.bucket(sum(q))
             self.graphs[n, t].replay()
-            outs.append(self.argmax[n, t][: sum(layout[s])].clone())
-        self.steps += len(buckets)
+            outs.append(self.argmax[n, t][: sum(q)].clone())
+        self.steps += len(layout)
         return outs

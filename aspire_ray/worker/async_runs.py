@@ -15,11 +15,12 @@ deciding each verification as the device did (``rejection_sampler.verify_greedy`
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from aspire_ray.plan import RowKind, RowPlan, RowResult
+from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
 from . import rejection_sampler
 
@@ -90,6 +91,8 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
     layout = [[t.queries(s) for t in tracks] for s in range(steps)]
     if graphs is not None and graphs.fits(len(rows), layout):
         return _on_graphs(worker, rows, tracks, layout)
+    if graphs is not None:
+        graphs.started = None
     wait = refresh = 0.0
     for s in range(steps):  # planned on the host, step by step
         logits, batch, _ = worker._forward([t.step_row(s) for t in tracks])
@@ -103,21 +106,139 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
     return [t.result() for t in tracks], wait, refresh
 
 
+@dataclass
+class Started:
+    """The first steps of the next run, replayed before the current run's tokens were known
+    (``SpecConfig.async_overlap_steps``), from the state the current run leaves on the device:
+    the same rows in the same places, each with its promised draft length."""
+
+    n: int  # row bucket of the state
+    row_ids: list[str | None]  # device rows
+    gammas: dict[str, int]  # the draft lengths they run with
+    steps: int  # steps of the run they begin
+    kinds: dict[str, list[int]]  # each row's ``async_kinds`` over the whole run
+    layout: list[list[int]]  # queries of each device row at each started step
+    outs: list[torch.Tensor]  # those steps' argmax, on the device
+    # each row's tokens known at the run's start and the position of the last (its
+    # RowPlan's verify_after and start_pos), and the pages of its table the started steps
+    # read or write: filled once the current run's tokens are known
+    starts: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    pages: dict[str, int] = field(default_factory=dict)
+
+    def learn_starts(self, tracks: list[AsyncTrack], page_size: int) -> None:
+        """The rows' starts from the tracks of the run before this one."""
+        for t in tracks:
+            start = t.x_pos + len(t.known) - 1
+            self.starts[t.req_id] = (list(t.known), start)
+            # step s writes KV below start + s + 1 (a step moves the row's end on by one
+            # position at most)
+            self.pages[t.req_id] = -(-(start + len(self.layout)) // page_size)
+
+    def continues(self, rows: list[RowPlan], tracks: list[AsyncTrack]) -> bool:
+        """Whether the plan's run is this one (its rows a subset of the started ones, each as
+        started and with the pages it used unchanged): then it finishes on the device."""
+        return all(
+            row.req_id in self.starts and row.async_gamma == self.gammas[row.req_id]
+            and row.num_steps == self.steps and track.kinds == self.kinds[row.req_id]
+            and (row.verify_after, row.start_pos) == self.starts[row.req_id]
+            and row.pages_keep >= self.pages[row.req_id]
+            for row, track in zip(rows, tracks, strict=True))  # fmt: skip
+
+
+class _Pending:
+    """A run's argmax on its way to pinned host memory: waiting for it waits for the run's
+    steps only, not for steps replayed after it."""
+
+    def __init__(self, outs: list[torch.Tensor]) -> None:
+        flat = torch.cat(outs)
+        self.event = None
+        if flat.device.type != "cuda":  # CPU (tests: graphs emulated), already computed
+            self.host = flat
+            return
+        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self.host.copy_(flat, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        if self.event is not None:
+            self.event.synchronize()  # the run's one device sync
+        return self.host.tolist(), time.perf_counter() - t0
+
+
 def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
                layout: list[list[int]]) -> tuple[list[RowResult], float, float]:  # fmt: skip
+    graphs = worker.async_graphs
     reqs = [worker.requests[row.req_id] for row in rows]
-    outs = worker.async_graphs.run(rows, [req.slot for req in reqs],
-                                   [req.scored_pages > 0 for req in reqs], layout,
-                                   worker.kv_caches)  # fmt: skip
-    t0 = time.perf_counter()
-    flat = torch.cat(outs).tolist()  # the run's one device sync
-    wait = time.perf_counter() - t0
+    started, graphs.started = graphs.started, None
+    by_id = {row.req_id: r for r, row in enumerate(rows)}
+    if started is not None and started.continues(rows, tracks):
+        dev_layout = [[tracks[by_id[rid]].queries(s) if rid in by_id else 0
+                       for rid in started.row_ids] for s in range(len(layout))]  # fmt: skip
+        head = len(started.layout)
+        if graphs.ready(started.n, dev_layout[head:], worker.kv_caches):
+            graphs.set_rows(started.n, [started.gammas.get(rid, 0) if rid else 0
+                                        for rid in started.row_ids],
+                            [rid in by_id for rid in started.row_ids])  # fmt: skip
+            outs = started.outs + graphs.replay(started.n, dev_layout[head:])
+            graphs.runs_continued += 1
+            layouts, row_ids = started.layout + dev_layout[head:], started.row_ids
+            n = started.n
+        else:
+            started = None
+    else:
+        started = None
+    if started is None:
+        outs = graphs.run(rows, [req.slot for req in reqs],
+                          [req.scored_pages > 0 for req in reqs], layout,
+                          worker.kv_caches)  # fmt: skip
+        layouts, row_ids = layout, [row.req_id for row in rows]
+        n = next(b for b in graphs.row_buckets if b >= len(rows))
+    pending = _Pending(outs)
+    graphs.started = _start_next(worker, n, rows, tracks, by_id)
+    flat, wait = pending.wait()
     at = 0
-    for s, queries in enumerate(layout):
-        for track, q in zip(tracks, queries, strict=True):
-            track.take(s, flat[at : at + q])
+    for s, queries in enumerate(layouts):
+        for rid, q in zip(row_ids, queries, strict=False):
+            if q and rid in by_id:
+                tracks[by_id[rid]].take(s, flat[at : at + q])
             at += q
-    if worker.async_graphs.scoring:  # every step scored every row
+    if graphs.started is not None:
+        graphs.started.learn_starts(tracks, worker.page_size)
+    if graphs.scoring:  # every step scored every row
         for req, track in zip(reqs, tracks, strict=True):
             req.scored_pages = -(-track.visible // worker.page_size)
     return [t.result() for t in tracks], wait, 0.0
+
+
+def _start_next(worker: Any, n: int, rows: list[RowPlan], tracks: list[AsyncTrack],
+                by_id: dict[str, int]) -> Started | None:  # fmt: skip
+    """Replay the first steps of the run that would follow this one (its rows again, their
+    promised draft lengths), if every row has the pages and every step its graph."""
+    graphs, steps = worker.async_graphs, rows[0].num_steps
+    head = min(worker.cfg.spec.overlap_steps, steps)  # a short run (requests near their end)
+    if head == 0 or any(row.next_async_gamma is None for row in rows):
+        return None
+    kinds = {}
+    for row, track in zip(rows, tracks, strict=True):
+        held = held_after(track.kinds, len(row.verify_after) - 1)
+        kinds[row.req_id] = async_kinds(held, row.next_async_gamma, steps)
+        # the next run starts at start_pos + steps at most; its first steps write KV up to
+        # head positions past that
+        pages = -(-(row.start_pos + steps + head + 1) // worker.page_size)
+        if pages > worker.page_table.sizes[worker.requests[row.req_id].slot]:
+            return None
+    row_ids = graphs.row_ids
+    layout = [[_queries(kinds[rid][s]) if rid in by_id else 0 for rid in row_ids]
+              for s in range(head)]  # fmt: skip
+    if not graphs.ready(n, layout, worker.kv_caches):
+        return None
+    gammas = {row.req_id: row.next_async_gamma for row in rows}
+    graphs.set_rows(n, [gammas.get(rid, 0) if rid else 0 for rid in row_ids])
+    graphs.runs_started += 1
+    return Started(n, list(row_ids), gammas, steps, kinds, layout, graphs.replay(n, layout))
+
+
+def _queries(kind: int) -> int:
+    return 1 if kind < 0 else kind + 1

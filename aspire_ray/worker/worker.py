@@ -224,6 +224,8 @@ class Worker:
             self.requests[rid] = WorkerRequest(spec, self.page_table.acquire(), table=self.scores)
         for row in plan.rows:
             self.page_table.update(self.requests[row.req_id].slot, row.pages_keep, row.pages_new)
+        if self.async_graphs is not None and (not plan.rows or plan.rows[0].async_gamma is None):
+            self.async_graphs.started = None  # a run started early that this plan is not
         if not plan.rows:
             total = time.perf_counter() - t0
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
