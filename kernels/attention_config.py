@@ -27,6 +27,9 @@ class AttentionConfig:
     min_chunk_pages: int = 32  # never split a row into chunks smaller than this
     split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
     kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
+    # the split-KV merge: heads per program (None: 256 // head_dim) and splits loaded at once
+    merge_head_block: int | None = None
+    merge_split_block: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_m_min", "block_m_max", "block_n"):
@@ -35,6 +38,10 @@ class AttentionConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.block_m_min > self.block_m_max:
             raise ValueError(f"block_m_min {self.block_m_min} > block_m_max {self.block_m_max}")
+        for name in ("merge_head_block", "merge_split_block"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value}")
         if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
             raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
 

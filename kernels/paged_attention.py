@@ -565,11 +565,12 @@ def paged_attention(
         )  # fmt: skip
     if plan.merge is not None:
         # few heads per program: with one long row the merge must still spread over the SMs
-        head_block = min(triton.next_power_of_2(hq), max(1, 256 // d))
+        head_block = min(triton.next_power_of_2(hq), config.merge_head_block or max(1, 256 // d))
         merge = plan.merge
         _merge_kernel[(merge.capacity, triton.cdiv(hq, head_block))](
             out, lse, opart, lpart, merge.work, merge.count, merge.capacity, out.stride(0),
-            out.stride(1), hq, HEAD_DIM=d, HEAD_BLOCK=head_block, SPLIT_BLOCK=16,
+            out.stride(1), hq, HEAD_DIM=d, HEAD_BLOCK=head_block,
+            SPLIT_BLOCK=config.merge_split_block,
             RETURN_LSE=return_lse, num_warps=4,
         )  # fmt: skip
     return (out, lse) if return_lse else out

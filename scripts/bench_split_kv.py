@@ -44,6 +44,12 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "m32": {"block_m_max": 32},
     "m16_n64": {"block_m_max": 16, "block_n": 64},
     "m32_n64": {"block_m_max": 32, "block_n": 64},
+    # the split-KV merge (13 us a layer of a real mixed step: docs/benchmarks.md §8.21)
+    "merge_h1": {"merge_head_block": 1},
+    "merge_h2": {"merge_head_block": 2},
+    "merge_s64": {"merge_split_block": 64},
+    "merge_h2_s32": {"merge_head_block": 2, "merge_split_block": 32},
+    "merge_h16_s8": {"merge_head_block": 16, "merge_split_block": 8},
 }
 
 

@@ -90,6 +90,17 @@ def test_many_decode_rows_split():
     check(q, kv, meta, torch.float32, AttentionConfig(block_n=16, kv_chunk_pages=1))
 
 
+@pytest.mark.parametrize("heads, splits", [(1, 64), (2, 4), (8, 16)])
+def test_merge_settings(heads, splits):
+    # the merge's heads per program and splits per load (AttentionConfig.merge_*): the
+    # 300-token row's 19 splits in one load, or in five
+    kv_lens = [1, 17, 95, 300]
+    q, kv, meta = make_case([1] * len(kv_lens), kv_lens, (6, 2, 64), torch.float32)
+    check(q, kv, meta, torch.float32, AttentionConfig(block_n=16, kv_chunk_pages=1,
+                                                      merge_head_block=heads,
+                                                      merge_split_block=splits))
+
+
 def test_plan_splits_long_rows_only():
     # One long decode row among short ones: the planner splits the long row into balanced
     # chunks and leaves the short rows (and the prefill row, too many queries) whole.
