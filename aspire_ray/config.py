@@ -180,6 +180,9 @@ class SpecConfig:
     # continues on the device) or the started steps are dropped: their KV lies past every
     # row's exact tokens and is rewritten before it is read. 0: off.
     async_overlap_steps: int = 4  # at most async_steps of them are started
+    # The same for greedy rounds of the synchronized modes (worker/round_runs.py): the worker
+    # replays the next plan's first round before it waits for this plan's tokens.
+    rounds_overlap: bool = True
 
     @property
     def overlap_steps(self) -> int:

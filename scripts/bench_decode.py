@@ -55,6 +55,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "noround": {"chain_verify": False},  # the verification as a plan of its own
     "hostplan": {"draft_graphs": False},  # chain steps planned on the host, not in their graph
     "hostverify": {"verify_graphs": False},  # round verification planned on the host
+    # nothing of the next plan started before this one's tokens reach the host
+    "serial": {"rounds_overlap": False, "async_overlap_steps": 0},
 }
 
 

@@ -7,7 +7,7 @@ decode steps per plan, with the tokens of one plan per step."""
 from __future__ import annotations
 
 import pytest
-from helpers import random_prompts, run_staggered
+from helpers import random_prompts, run_staggered, use_eager_graphs
 
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
@@ -92,3 +92,25 @@ def test_decode_chains_give_the_tokens_of_single_steps(tiny_model_dir, temperatu
     assert set(single_chains) == {1} and max(chains) == 5 and rounds == 0
     assert [len(tokens) for tokens in chained.values()] == [24] * 4
     assert chained == single
+
+
+@pytest.mark.slow
+def test_rounds_started_early_give_the_tokens_of_ar(tiny_model_dir):
+    # greedy rounds on the (emulated) graphs: the next plan's first round replays before this
+    # plan's tokens reach the host, and the next plan continues it on the device (requests
+    # that finished in between stop in their places) or drops it: `ar`'s tokens either way
+    model_dir = tiny_model_dir("llama")
+    cfg = build_engine_config(model_dir, spec_mode="magicdec", max_num_batched_tokens=64,
+                              num_pages=120, max_num_seqs=4, attention_backend="triton",
+                              rounds_per_plan=2, **SPARSE)  # fmt: skip
+    engine = LLMEngine(cfg)
+    w = use_eager_graphs(engine)
+    prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=5)
+    params = [SamplingParams(max_tokens=24 + 5 * i, temperature=0.0, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
+    outs = run_staggered(engine, prompts, params, arrive_every=2)
+    ar = LLMEngine(build_engine_config(model_dir, spec_mode="ar", num_pages=120))
+    assert outs == run_staggered(ar, prompts, params, arrive_every=2)
+    graphs = w.draft_graphs
+    assert graphs.verify is not None and graphs.steps > 0
+    assert graphs.rounds_continued >= 2, (graphs.rounds_started, graphs.rounds_continued)

@@ -72,7 +72,10 @@ def test_round_graphs_verify_as_planned_steps(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     expected, planned, _ = _run(model_dir, mode, draft_graphs=False, greedy=True,
                                 rounds_per_plan=2)  # fmt: skip
-    got, drafted, w = _run(model_dir, mode, draft_graphs=True, greedy=True, rounds_per_plan=2)
+    # no round started early: a dropped one leaves page scores behind, and later drafts may
+    # differ (the tokens do not: test_draft_chains.py::test_rounds_started_early_...)
+    got, drafted, w = _run(model_dir, mode, draft_graphs=True, greedy=True, rounds_per_plan=2,
+                           rounds_overlap=False)  # fmt: skip
     assert w.draft_graphs.verify.steps > 4, "too few verifications replayed by the graphs"
     assert drafted == planned and len(planned) > 3  # the same drafts, round by round
     assert got == expected

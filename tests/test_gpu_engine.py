@@ -117,3 +117,14 @@ def test_runs_started_early_on_gpu(mode):
     assert overlapped == _run(mode, "float32", max_tokens=96, async_overlap_steps=0)
     assert overlapped == _run("ar", "float32", max_tokens=96)
     assert graphs.runs_continued >= 3, (graphs.runs_started, graphs.runs_continued)
+
+
+@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
+def test_rounds_started_early_on_gpu(mode):
+    # greedy rounds: the next plan's first round replays before this plan's tokens reach the
+    # host; the same fp32 output with it as without it and as ar
+    overlapped = _run(mode, "float32", max_tokens=96)
+    graphs = _run.last_worker.draft_graphs
+    assert overlapped == _run(mode, "float32", max_tokens=96, rounds_overlap=False)
+    assert overlapped == _run("ar", "float32", max_tokens=96)
+    assert graphs.rounds_continued >= 3, (graphs.rounds_started, graphs.rounds_continued)

@@ -163,8 +163,7 @@ class LLMEngine:
             if committed:
                 changed.append(req)
             if req.status == Status.RUNNING:  # after all rounds: their KV is in these pages
-                lookahead = self.scheduler.lookahead_tokens if row.async_gamma is not None else 0
-                self.scheduler.truncate_pages(req, lookahead)
+                self.scheduler.truncate_pages(req, self.scheduler.lookahead_tokens(row))
         return changed
 
     def _commit_row(self, req: Request, row: RowPlan, res: RowResult, now: float) -> bool:

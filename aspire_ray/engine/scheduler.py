@@ -140,8 +140,6 @@ class Scheduler:
                 continue
             if not self._ensure_pages(req, row.final_context_len):
                 continue  # req itself was preempted
-            if gammas:
-                self._lookahead_pages(req, row.final_context_len)
             rows.append(self._attach_pages(req, row))
             budget -= row.num_tokens
         # no admissions beside a chain (a request it preempted waits for the next step)
@@ -168,6 +166,9 @@ class Scheduler:
             budget -= row.num_tokens
             if reserve is not None:
                 reserve += self._shortfall(req)  # what it still lacks, now that it runs
+        by_id = {req.req_id: req for req in self.running}
+        for row in rows:  # after every row has its pages, and every admission
+            self._lookahead_pages(by_id[row.req_id], row)
         self._step_id += 1
         plan = StepPlan(self._step_id, rows, new_requests, self._dropped)
         self._dropped = []
@@ -217,19 +218,28 @@ class Scheduler:
                        0, [], num_steps=steps, verify_after=[req.last_token] + req.drafts,
                        async_gamma=gamma, next_async_gamma=next_gamma)  # fmt: skip
 
-    @property
-    def lookahead_tokens(self) -> int:
-        """KV tokens past an asynchronous run's end that the worker may write before the next
-        plan comes (``SpecConfig.async_overlap_steps``: one position per step)."""
-        return self.policy.cfg.overlap_steps
+    def lookahead_tokens(self, row: RowPlan) -> int:
+        """KV tokens past the row's plan that the worker may write before the next plan
+        comes: an asynchronous run's next ``async_overlap_steps`` steps (one position each),
+        a greedy round's next round (``rounds_overlap``: its drafts and their verification)."""
+        spec = self.policy.cfg
+        if row.async_gamma is not None:
+            return spec.overlap_steps
+        if row.verify_after is not None and spec.rounds_overlap:
+            return row.num_steps + 1
+        return 0
 
-    def _lookahead_pages(self, req: Request, context_len: int) -> None:
-        """Pages for the next run's first steps, where free pages are left (never by
-        preemption: without them the worker just does not start that run early)."""
-        tokens = min(context_len + self.lookahead_tokens, self.max_model_len)
+    def _lookahead_pages(self, req: Request, row: RowPlan) -> None:
+        """Pages for the next plan's first steps (``lookahead_tokens``) on top of the row's,
+        where free pages are left (never at the cost of a row or an admission: without them
+        the worker does not start those steps early), sent with the row."""
+        extra = self.lookahead_tokens(row)
+        tokens = min(row.final_context_len + extra, self.max_model_len)
         need = self.blocks.pages_for(tokens) - len(req.pages)
-        if need > 0 and self.blocks.can_allocate(need):
+        if extra and need > 0 and self.blocks.can_allocate(need):
             req.pages += self.blocks.allocate(req.req_id, need)
+            row.pages_new = req.pages[row.pages_keep :]
+            req.synced_pages = len(req.pages)
 
     def _rounds(self, reqs: list[Request], k: int) -> int:
         """Rounds of k drafts of a greedy synchronized batch in one plan
@@ -280,7 +290,13 @@ class Scheduler:
         with no row in this step yet, the one with the least KV computed (the cheapest to
         recompute; the newest on a tie). False if req itself was preempted."""
         need = self.blocks.pages_for(context_len) - len(req.pages)
+        reclaimed = False
         while not self.blocks.can_allocate(need):
+            if not reclaimed:  # the next plans' lookahead pages go before any request does
+                reclaimed = True
+                for other in self._unscheduled:
+                    self.truncate_pages(other)
+                continue
             candidates = [req, *self._unscheduled]
             victim = min(reversed(candidates), key=lambda r: r.num_computed)
             if victim is not req:

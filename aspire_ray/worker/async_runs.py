@@ -23,6 +23,7 @@ import torch
 from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
 from . import rejection_sampler
+from .device_result import DeviceResult
 
 
 class AsyncTrack:
@@ -145,28 +146,6 @@ class Started:
             for row, track in zip(rows, tracks, strict=True))  # fmt: skip
 
 
-class _Pending:
-    """A run's argmax on its way to pinned host memory: waiting for it waits for the run's
-    steps only, not for steps replayed after it."""
-
-    def __init__(self, outs: list[torch.Tensor]) -> None:
-        flat = torch.cat(outs)
-        self.event = None
-        if flat.device.type != "cuda":  # CPU (tests: graphs emulated), already computed
-            self.host = flat
-            return
-        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        self.host.copy_(flat, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def wait(self) -> tuple[list[int], float]:
-        t0 = time.perf_counter()
-        if self.event is not None:
-            self.event.synchronize()  # the run's one device sync
-        return self.host.tolist(), time.perf_counter() - t0
-
-
 def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
                layout: list[list[int]]) -> tuple[list[RowResult], float, float]:  # fmt: skip
     graphs = worker.async_graphs
@@ -195,7 +174,7 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
                           worker.kv_caches)  # fmt: skip
         layouts, row_ids = layout, [row.req_id for row in rows]
         n = next(b for b in graphs.row_buckets if b >= len(rows))
-    pending = _Pending(outs)
+    pending = DeviceResult(outs)
     graphs.started = _start_next(worker, n, rows, tracks, by_id)
     flat, wait = pending.wait()
     at = 0

@@ -89,6 +89,12 @@ class DraftStepGraphs:
         self._key = None
         self._pool_pages = 0
         self.steps = 0  # draft steps replayed
+        # greedy rounds (run_rounds): the request of each row of the state on the device (None:
+        # padding or a row that stopped), the next plan's first round if started early
+        # (round_runs.StartedRound), and how many were started and continued
+        self.row_ids: list[str | None] = []
+        self.started = None
+        self.rounds_started = self.rounds_continued = 0
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -293,6 +299,24 @@ class DraftStepGraphs:
         self.steps += steps
         return drafts, qs
 
+    def ready(self, n: int, steps: int, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether greedy rounds of ``steps`` drafts can replay from the state on the device
+        without a capture (a capture zeroes the state): the tables did not move, the graphs
+        exist."""
+        if self.scores is not None:
+            self.scores.ensure_slots(self.page_table.slots)
+            self.scores.ensure_width(self.page_table.width)
+        self.page_table.flush()
+        return self._tables_key(kv_caches) == self._key and (n, None) in self.graphs \
+            and self.verify is not None and (n, steps + 1) in self.verify.graphs  # fmt: skip
+
+    def stop_rows(self, n: int, keep: list[bool]) -> None:
+        """Device rows not in ``keep`` stop (no query, no page, no KV written), from the next
+        replay on."""
+        keep = keep + [False] * (n - len(keep))
+        self.state[n][3].mul_(upload(np.asarray(keep, dtype=np.int64), self.pieces.device))
+        self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=False)]
+
     def verifies(self, rows: list[RowPlan], specs: list[SamplingSpec], steps: int) -> bool:
         """Whether ``run_rounds`` runs these rounds: greedy rows starting fresh rounds
         (``verify_after`` = [x]) of at most max_steps drafts whose verification has a bucket."""
@@ -309,8 +333,14 @@ class DraftStepGraphs:
         verification left its rows -> per round int64 [R * steps + R * (steps + 1)]: the
         drafts (row-major [R, steps]), then the target's argmax ([R, steps + 1]); on the
         device, no sync."""
-        n, variant = self._load(rows, specs, slots, scored, kv_caches, q=steps + 1)
-        r, state, chain = len(rows), self.state[n], self.chain[n]
+        n, _ = self._load(rows, specs, slots, scored, kv_caches, q=steps + 1)
+        self.row_ids = [row.req_id for row in rows]
+        return self.replay_rounds(n, steps, rounds)
+
+    def replay_rounds(self, n: int, steps: int, rounds: int) -> list[torch.Tensor]:
+        """``run_rounds`` from the state on the device (greedy rows in ``row_ids``' places;
+        ``ready``)."""
+        r, state, chain, variant = len(self.row_ids), self.state[n], self.chain[n], None
         out = []
         for _ in range(rounds):
             self.start[n].copy_(state[:2])

@@ -44,6 +44,7 @@ from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
 from .page_selector import FullPages, make_selector
 from .page_table import PageTable
+from .round_runs import StartedRound, graph_rounds
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
 
@@ -226,6 +227,9 @@ class Worker:
             self.page_table.update(self.requests[row.req_id].slot, row.pages_keep, row.pages_new)
         if self.async_graphs is not None and (not plan.rows or plan.rows[0].async_gamma is None):
             self.async_graphs.started = None  # a run started early that this plan is not
+        started_round = None  # a round started early: only graph_rounds may continue it
+        if self.draft_graphs is not None:
+            started_round, self.draft_graphs.started = self.draft_graphs.started, None
         if not plan.rows:
             total = time.perf_counter() - t0
             return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
@@ -238,7 +242,7 @@ class Worker:
                                                       "refresh": refresh})  # fmt: skip
         steps = max(row.num_steps for row in plan.rows)
         if steps > 1 or plan.rows[0].verify_after is not None:
-            return self._execute_chain(plan.step_id, plan.rows, steps, t0)
+            return self._execute_chain(plan.step_id, plan.rows, steps, t0, started_round)
         logits, batch, t1 = self._forward(plan.rows)
         self._sync()
         t2 = time.perf_counter()
@@ -273,8 +277,8 @@ class Worker:
                                 self.kv_caches)  # fmt: skip
         return self.model.compute_logits(hidden[batch.logit_index]), batch, t1
 
-    def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int,
-                       t0: float) -> StepOutput:  # fmt: skip
+    def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int, t0: float,
+                       started_round: StartedRound | None = None) -> StepOutput:  # fmt: skip
         """A draft chain: ``steps`` draft steps of the same rows back to back, then, if the
         rows say so (``verify_after``, greedy only), their verification. Step s drafts at
         position start_pos + s from step s - 1's drafts, which stay on the device, as do the
@@ -301,7 +305,7 @@ class Worker:
             raise ValueError("a plan's rounds hold verifying chain rows of one round count")
         graphs, specs = self.draft_graphs, [self.requests[row.req_id].sampling for row in rows]
         if verify and graphs is not None and graphs.verifies(rows, specs, steps):
-            results, wait = self._graph_rounds(rows, specs, steps, rounds)
+            results, wait = graph_rounds(self, rows, specs, steps, rounds, started_round)
             total = time.perf_counter() - t0
             return StepOutput(step_id, results, {"prepare": total - wait, "forward": wait,
                                                  "sample": 0.0, "total": total, "refresh": 0.0})
@@ -356,50 +360,6 @@ class Worker:
                 res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
             results.append(res)
         return results, refresh, wait
-
-    def _graph_rounds(self, rows: list[RowPlan], specs: list[SamplingSpec], steps: int,
-                      rounds: int) -> tuple[list[RowResult], float]:  # fmt: skip
-        """Greedy rounds replayed whole by the draft-step and verify graphs, back to back, one
-        device sync -> (each row's result, later rounds in ``rounds``; the seconds the host
-        waited). The host reads each round's drafts and argmax and verifies as the device did
-        (``rejection_sampler.verify_greedy``; the device moved on by the same rule)."""
-        reqs = [self.requests[row.req_id] for row in rows]
-        for row, req in zip(rows, reqs, strict=True):
-            end = row.start_pos + rounds * (steps + 1)  # every round accepting all
-            if -(-end // self.page_size) > self.page_table.sizes[req.slot]:
-                raise RuntimeError(f"request {row.req_id}: {self.page_table.sizes[req.slot]} "
-                                   f"pages cannot hold {end} tokens")
-        outs = self.draft_graphs.run_rounds(rows, specs, [req.slot for req in reqs],
-                                            [req.scored_pages > 0 for req in reqs], steps,
-                                            rounds, self.kv_caches)  # fmt: skip
-        t1 = time.perf_counter()
-        flat = torch.cat(outs).tolist()  # the plan's one device sync
-        wait = time.perf_counter() - t1
-        n, width = len(rows), len(rows) * (2 * steps + 1)
-        by_round: list[list[RowResult]] = []
-        for i in range(rounds):
-            if i:  # each round starts after the tokens the last one committed
-                rows = [row.next_round(res.verified.tokens)
-                        for row, res in zip(rows, by_round[-1], strict=True)]  # fmt: skip
-            out = flat[i * width : (i + 1) * width]
-            drafts, argmax = out[: n * steps], out[n * steps :]
-            this = []
-            for r, row in enumerate(rows):
-                chain = drafts[r * steps : (r + 1) * steps]
-                accepted, committed = rejection_sampler.verify_greedy(
-                    argmax[r * (steps + 1) : (r + 1) * (steps + 1)], chain)
-                res = RowResult(row.req_id, RowKind.DRAFT, chain)
-                res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
-                this.append(res)
-            by_round.append(this)
-        results = by_round[0]
-        for later in by_round[1:]:
-            for first, res in zip(results, later, strict=True):
-                first.rounds.append(res)
-        if self.draft_graphs.refresh or self.draft_graphs.verify.score:
-            for req, row in zip(reqs, rows, strict=True):  # the last verification's pages
-                req.scored_pages = -(-(row.start_pos + steps + 1) // self.page_size)
-        return results, wait
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
         """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
