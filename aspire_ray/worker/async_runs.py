@@ -10,6 +10,10 @@ after a verification it learns only from the device. On a GPU the steps replay t
 elsewhere each step is planned on the host from the tracks below, one sync per step. Either
 way the host replays each row's steps on its ``AsyncTrack`` from the argmax of its queries,
 deciding each verification as the device did (``rejection_sampler.verify_greedy``).
+
+On the graphs the next run starts early (``SpecConfig.async_overlap_steps``): its first steps
+replay from the state this run leaves on the device before the host waits for this run's
+tokens (``Started``), and the next plan continues them or drops them (``_continue``).
 """
 
 from __future__ import annotations
@@ -152,23 +156,10 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     reqs = [worker.requests[row.req_id] for row in rows]
     started, graphs.started = graphs.started, None
     by_id = {row.req_id: r for r, row in enumerate(rows)}
-    if started is not None and started.continues(rows, tracks):
-        dev_layout = [[tracks[by_id[rid]].queries(s) if rid in by_id else 0
-                       for rid in started.row_ids] for s in range(len(layout))]  # fmt: skip
-        head = len(started.layout)
-        if graphs.ready(started.n, dev_layout[head:], worker.kv_caches):
-            graphs.set_rows(started.n, [started.gammas.get(rid, 0) if rid else 0
-                                        for rid in started.row_ids],
-                            [rid in by_id for rid in started.row_ids])  # fmt: skip
-            outs = started.outs + graphs.replay(started.n, dev_layout[head:])
-            graphs.runs_continued += 1
-            layouts, row_ids = started.layout + dev_layout[head:], started.row_ids
-            n = started.n
-        else:
-            started = None
+    continued = _continue(worker, started, rows, tracks, by_id, len(layout))
+    if continued is not None:
+        outs, layouts, row_ids, n = continued
     else:
-        started = None
-    if started is None:
         outs = graphs.run(rows, [req.slot for req in reqs],
                           [req.scored_pages > 0 for req in reqs], layout,
                           worker.kv_caches)  # fmt: skip
@@ -189,6 +180,27 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
         for req, track in zip(reqs, tracks, strict=True):
             req.scored_pages = -(-track.visible // worker.page_size)
     return [t.result() for t in tracks], wait, 0.0
+
+
+def _continue(worker: Any, started: Started | None, rows: list[RowPlan],
+              tracks: list[AsyncTrack], by_id: dict[str, int], steps: int):
+    """The plan's run finished on the device from the steps started early, if it is that run
+    -> (each step's argmax on the device, each step's queries by device row, the device rows'
+    requests, the row bucket), else None."""
+    graphs = worker.async_graphs
+    if started is None or not started.continues(rows, tracks):
+        return None
+    layout = [[tracks[by_id[rid]].queries(s) if rid in by_id else 0 for rid in started.row_ids]
+              for s in range(steps)]  # fmt: skip
+    head = len(started.layout)
+    if not graphs.ready(started.n, layout[head:], worker.kv_caches):
+        return None
+    graphs.set_rows(started.n, [started.gammas.get(rid, 0) if rid else 0
+                                for rid in started.row_ids],
+                    [rid in by_id for rid in started.row_ids])  # fmt: skip
+    outs = started.outs + graphs.replay(started.n, layout[head:])
+    graphs.runs_continued += 1
+    return outs, started.layout + layout[head:], started.row_ids, started.n
 
 
 def _start_next(worker: Any, n: int, rows: list[RowPlan], tracks: list[AsyncTrack],
