@@ -19,6 +19,8 @@ Row r's output occupies the flat range [kv_indptr[r] (* ps), kv_indptr[r + 1] (*
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
@@ -29,18 +31,36 @@ from .metadata import PagedKVMeta
 from .paged_attention import _num_sms, check_cache, check_meta, check_q, interpreting, mma
 
 _LOG2E = 1.4426950408889634
-_TILE_TOKENS = 64  # keys per tile (at least one page)
-_TILES_PER_ITEM = 4
-_PROGRAMS_PER_SM = 8
 
 
-def _tile(page_size: int) -> int:
-    return max(_TILE_TOKENS, page_size)
+@dataclass(frozen=True)
+class ScoreConfig:
+    """The scoring kernel's program shape (``scripts/bench_scoring.py`` measures variants)."""
+
+    tile_tokens: int = 64  # keys per tile (at least one page)
+    tiles_per_item: int = 4  # tiles of one work item, read one after the other
+    programs_per_sm: int = 8
+    num_warps: int = 4
+    num_stages: int = 1  # 1: no staging through shared memory, programs hide latency
+
+    def __post_init__(self) -> None:
+        for name in ("tile_tokens", "tiles_per_item", "programs_per_sm", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+        if self.tile_tokens < 16 or self.num_stages < 1:
+            raise ValueError(f"tile_tokens must be >= 16 and num_stages >= 1, got {self}")
+
+    def tile(self, page_size: int) -> int:
+        return max(self.tile_tokens, page_size)
 
 
-def work_tokens(page_size: int) -> int:
+DEFAULT_SCORE_CONFIG = ScoreConfig()
+
+
+def work_tokens(page_size: int, config: ScoreConfig = DEFAULT_SCORE_CONFIG) -> int:
     """Listed tokens per work item (a multiple of the page size)."""
-    return _tile(page_size) * _TILES_PER_ITEM
+    return config.tile(page_size) * config.tiles_per_item
 
 
 # vary every step (or bucket): no new variants mid-serving
@@ -89,30 +109,31 @@ def _token_max_probs_kernel(
                          mask=n < n_pages * PAGE_SIZE)  # fmt: skip
 
 
-def _host_work(meta: PagedKVMeta) -> np.ndarray:
+def _host_work(meta: PagedKVMeta, config: ScoreConfig) -> np.ndarray:
     """int64 [2, W]: (row, first token) of each work item."""
-    per_item = work_tokens(meta.page_size)
+    per_item = work_tokens(meta.page_size, config)
     slots = np.diff(np.asarray(meta.kv_indptr_host, dtype=np.int64)) * meta.page_size
     per_row = -(-slots // per_item)
     rows = np.repeat(np.arange(len(per_row)), per_row)
     return np.stack([rows, ragged_arange(per_row) * per_item])
 
 
-def _work(meta: PagedKVMeta) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _work(meta: PagedKVMeta, config: ScoreConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(work int32 [2, W], count int32 [1], W) on the device; cached on the metadata object."""
     cache = meta.__dict__.setdefault("_triton_score_work", {})
-    if "items" not in cache:
-        work = _host_work(meta)
+    key = work_tokens(meta.page_size, config)
+    if key not in cache:
+        work = _host_work(meta, config)
         w = work.shape[1]
         dev = upload(np.concatenate([[w, 0, 0, 0], work.reshape(-1)]).astype(np.int32),
                      meta.kv_indptr.device)  # fmt: skip
-        cache["items"] = (dev[4:].view(2, w), dev[:1], w)
-    return cache["items"]
+        cache[key] = (dev[4:].view(2, w), dev[:1], w)
+    return cache[key]
 
 
 def _score(q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta,
            scale: float, work: tuple[torch.Tensor, torch.Tensor] | None,
-           page_sum: bool) -> torch.Tensor:  # fmt: skip
+           page_sum: bool, config: ScoreConfig) -> torch.Tensor:  # fmt: skip
     check_q(q, kv_cache)
     check_cache(kv_cache, meta.page_size, q.shape[2], q.dtype)
     check_meta(meta, q.device, planned=work is not None)
@@ -134,18 +155,18 @@ def _score(q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: Pag
     if work is not None:
         (work, count), capacity = work, work[0].shape[1]
     else:
-        work, count, capacity = _work(meta)
+        work, count, capacity = _work(meta, config)
     if capacity == 0:
         return out.zero_()
-    programs = min(capacity, _PROGRAMS_PER_SM * _num_sms(q.device))
+    programs = min(capacity, config.programs_per_sm * _num_sms(q.device))
     _token_max_probs_kernel[(programs,)](
         q, lse, kv_cache, out, work, count, capacity, meta.kv_indptr, meta.kv_indices,
         meta.kv_last_page_len, q.stride(0), q.stride(1), lse.stride(0), kv_cache.stride(0),
         kv_cache.stride(2), kv_cache.stride(3), scale * _LOG2E,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, PAGE_SIZE=ps, TILE=_tile(ps), TILES=_TILES_PER_ITEM, PAGE_SUM=page_sum,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=4, num_stages=1,  # no staging through shared memory: programs hide latency
+        HEAD_DIM=d, PAGE_SIZE=ps, TILE=config.tile(ps), TILES=config.tiles_per_item,
+        PAGE_SUM=page_sum, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
@@ -153,19 +174,22 @@ def _score(q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: Pag
 def token_max_probs(
     q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float,
     work: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: ScoreConfig = DEFAULT_SCORE_CONFIG,
 ) -> torch.Tensor:
     """q [R, Hq, D], lse [R, Hq] float32 -> float32 [nnz_pages, page_size] (0 past kv_len).
 
     work: (int32 [2, capacity], int32 [1] count), a work list planned on the device
-    (``device_plan.score_items`` with ``work_tokens``, CUDA graphs). None: planned from the
-    metadata's host copies. Pages past the listed ones (a fixed capacity) are not written."""
-    return _score(q, lse, kv_cache, meta, scale, work, page_sum=False)
+    (``device_plan.score_items`` with ``work_tokens(page_size, config)``, CUDA graphs). None:
+    planned from the metadata's host copies. Pages past the listed ones (a fixed capacity) are
+    not written."""
+    return _score(q, lse, kv_cache, meta, scale, work, False, config)
 
 
 def page_scores(
     q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float,
     work: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: ScoreConfig = DEFAULT_SCORE_CONFIG,
 ) -> torch.Tensor:
     """``token_max_probs`` summed over each page's tokens, in the kernel: float32 [nnz_pages]
     (no [nnz, page_size] buffer and no second pass over it)."""
-    return _score(q, lse, kv_cache, meta, scale, work, page_sum=True)
+    return _score(q, lse, kv_cache, meta, scale, work, True, config)

@@ -1,6 +1,8 @@
 """The cost model sees what a step costs (issue 15, item 2): draft rows' refresh-layer reads are
-a feature, the fit is bounded by physics, a poor fit falls back to the calibrated prior, the
-prediction error is tracked by step kind; a fit of all zeros cannot kill the engine (issue 19)."""
+a feature, the fit is bounded by physics, a fit that cannot pin down three terms keeps the
+prior's slopes and refits the per-step term (or falls back to the prior), the prior is physical
+where the bandwidth was measured, the prediction error is tracked by step kind; a fit of all
+zeros cannot kill the engine (issue 19)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from aspire_ray.llm import build_engine_config
 from aspire_ray.plan import RowKind, RowPlan, SamplingSpec
 from aspire_ray.spec.cost_model import (
     BOUND_FRACTION,
+    KV_READ_FACTOR,
     PRIOR,
     CostBounds,
     CostCoefficients,
@@ -198,6 +201,78 @@ def test_good_fit_replaces_the_prior():
     coef = model.fit()
     assert model.status == "fit" and coef.r2 > 0.99
     assert coef.b_kv == pytest.approx(truth.b_kv, rel=0.05)
+
+
+# ---- offset fits: one serving shape pins down the per-step term -----------------------------
+def test_steady_batch_refits_the_per_step_term_on_the_prior_slopes():
+    # a serving batch repeats one step shape: three terms are not identifiable, but its
+    # overhead is (the calibrated prior came from steps that each paid a host round trip)
+    model = _calibrated()  # prior (2e-3, 5e-5, 3e-7)
+    truth = CostCoefficients(4.5e-3, 5e-5, 3e-7)
+    for i in range(40):
+        n, kv = 120, 540_000.0 + i
+        model.add_sample(n, kv, truth.predict(n, kv))
+    coef = model.fit()
+    assert model.status.startswith("offset: ") and "distinct step shapes" in model.status
+    assert not model.fitted and model.fallbacks == 1
+    assert (coef.b_tok, coef.b_kv) == (model.prior.b_tok, model.prior.b_kv)
+    assert coef.b_model == pytest.approx(truth.b_model, rel=1e-6)
+    assert model.predict(120, 540_000.0) == pytest.approx(truth.predict(120, 540_000.0))
+
+
+def test_offset_fit_uses_only_steps_measured_since_the_prior():
+    model = CostModel(min_samples=8)
+    for i in range(50):  # the start-up sweep's steps: 9 ms of host round trip each
+        model.add_sample(8, 1000.0 * (i % 5 + 1), 9e-3)
+    model.set_prior(CostCoefficients(9e-3, 1e-6, 1e-9))
+    for _ in range(3):  # served steps: 3 ms over the same slopes
+        model.add_sample(64, 200_000.0, 3e-3 + 64e-6 + 2e-4)
+    assert model.fit().b_model == pytest.approx(3e-3) and model.status.startswith("offset")
+    # slopes that alone over-predict the steps cannot be offset: the prior stays
+    model.set_prior(CostCoefficients(1e-3, 1e-6, 1e-7))  # 20 ms of KV for a 3 ms step
+    for _ in range(3):
+        model.add_sample(64, 200_000.0, 3e-3)
+    assert model.fit() == model.prior and model.status.startswith("prior: ")
+
+
+def test_physical_prior_where_the_bandwidth_was_measured():
+    b = CostBounds.from_device(kv_bytes_per_token=12288, weight_bytes=1e9, bandwidth=4e12)
+    prior = CostModel(bounds=b).prior
+    assert prior.b_kv == pytest.approx(KV_READ_FACTOR * 12288 / 4e12)
+    assert prior.b_model == pytest.approx(1e9 / 4e12) and prior.b_tok == 0
+    assert CostModel().prior == PRIOR  # nothing measured (CPU): the built-in prior
+
+
+def test_sweep_that_hides_the_kv_term_takes_the_physical_rate():
+    # a GPU sweep of short contexts: per-step overhead and noise, the KV term invisible
+    rng = np.random.default_rng(3)
+    info = {"kv_bytes_per_token": 12288, "weight_bytes": 1e9, "memory_bandwidth": 4e12}
+    cfg = _cfg(calibrate="force")
+    engine = LLMEngine(cfg, executor=FakeExecutor(
+        cfg, info=info, seconds=lambda n, kv: 3e-3 + 2e-6 * n + rng.uniform(0, 1e-3)))
+    model = engine.cost_model
+    assert model.status.startswith("prior: sweep with the physical KV rate")
+    assert model.prior.b_kv == pytest.approx(KV_READ_FACTOR * 12288 / 4e12)
+    assert model.prior.b_model == pytest.approx(3.5e-3, rel=0.2)
+    assert engine.calibration is not None and engine.calibration.source == "sweep"
+
+
+def test_served_runs_refit_the_per_step_term():
+    # asynchronous runs of one shape on a device whose slopes the physical prior knows:
+    # the online refits (every refit_every decode steps, not plans) learn its overhead
+    info = {"kv_bytes_per_token": 12288, "weight_bytes": 1e9, "memory_bandwidth": 4e12}
+    b_kv = KV_READ_FACTOR * 12288 / 4e12
+    cfg = _cfg(calibrate="off", refit_every=16)
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, info=info,
+                                                  seconds=lambda n, kv: 2e-3 + b_kv * kv))
+    engine.cost_model.min_samples = 2
+    _drive(engine, prompts=4, max_tokens=60)
+    model = engine.cost_model
+    assert engine.stats()["step_kinds"]["async"] > 0
+    assert model.prior.b_model == pytest.approx(1e9 / 4e12)  # physical: the weights alone
+    assert model.status.split(":")[0] in ("offset", "fit"), model.status
+    assert model.coef.b_model == pytest.approx(2e-3) and model.coef.b_kv == pytest.approx(b_kv)
+    assert engine.stats()["cost_model"]["status"] == model.status
 
 
 # ---- issue 19, defect 2 ----------------------------------------------------------------------

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from aspire_ray.config import EngineConfig
 from aspire_ray.executor import Executor
 from aspire_ray.model.loader import cache_root
@@ -154,15 +156,24 @@ def calibrate(engine: CalibratedEngine, mode: str | None = None,
 
 
 def _feed(engine: CalibratedEngine, samples: list) -> bool:
-    """Seed the online window with the samples; their fit becomes the prior. False if the fit
-    was refused (the prior stays the built-in one)."""
+    """Seed the online window with the samples; their fit becomes the prior. Where the sweep
+    cannot pin down the KV term (on a GPU its short contexts are mostly per-step overhead:
+    r2 0.27-0.70 on an H200), the prior takes the physical KV rate and fits the other two
+    terms to the sweep. False if neither was possible (the prior stays as it was)."""
     model = engine.cost_model
     for n, kv, s in samples:
         model.add_sample(n, kv, s)
     coef = model.fit()
-    if model.fitted:
-        model.set_prior(coef)
-    return model.fitted
+    if not model.fitted:
+        physical = model.bounds.physical_prior()
+        if physical is None or not samples:
+            # no offset fit on the sweep's own steps either: the prior stays in force
+            model.coef, model.status = model.prior, model.status.replace("offset:", "prior:")
+            return False
+        coef = model.fit_terms(np.array(samples, dtype=float), (True, True, False), physical)
+        model.status = f"prior: sweep with the physical KV rate ({model.status})"
+    model.set_prior(coef)
+    return True
 
 
 def _load(path: Path, key: dict) -> dict | None:

@@ -68,6 +68,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random()
         self.step_count = 0
+        self._steps_since_fit = 0  # decode steps measured since the cost model's last refit
         self.timings: dict[str, float] = defaultdict(float)  # seconds, summed over steps
         self.step_kinds: dict[str, int] = defaultdict(int)
         self.step_seconds: dict[str, float] = defaultdict(float)  # worker time per step kind
@@ -280,8 +281,12 @@ class LLMEngine:
             # did every refit after). Decode steps are what the scheduler prices.
             if kind != "prefill":
                 model.add_sample(n_tokens, kv, seconds)
-            if self.step_count % self.cfg.spec.refit_every == 0:
+                # every refit_every decode steps (an asynchronous run is num_steps of them:
+                # counting plans would refit a 96-token run of 16-step runs once at most)
+                self._steps_since_fit += steps
+            if self._steps_since_fit >= self.cfg.spec.refit_every:
                 model.fit()
+                self._steps_since_fit = 0
 
     # ---- outputs and stats -------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:

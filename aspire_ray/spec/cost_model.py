@@ -11,8 +11,12 @@ What keeps the model honest (DESIGN.md §1.5, "learned the hard way"):
   per token and weight bytes over the bandwidth measured at start-up), so a noisy fit cannot
   make the KV term free (b_kv = 0 once made c ~ 1 and froze every request at gamma 0);
 - a fit that cannot identify the three terms (too few distinct step shapes, an ill-conditioned
-  design) or explains the data poorly (r² < ``min_r2``) or predicts a step of no cost falls
-  back to the prior: the start-up calibration of this deployment when there is one;
+  design) or explains the data poorly (r² < ``min_r2``) keeps the prior's slopes and refits
+  only the per-step term on the recent samples (an "offset" fit: a serving batch repeats one
+  step shape, whose overhead is all it can tell), and where even that predicts a step of no
+  cost, falls back to the prior itself;
+- the prior is the start-up calibration of this deployment when there is one, else the
+  physical prior (``CostBounds.physical_prior``: KV at the measured bandwidth), else ``PRIOR``;
 - the prediction error on measured steps is tracked by step kind (``PredictionErrors``).
 """
 
@@ -37,9 +41,18 @@ class CostCoefficients:
         return self.b_model + self.b_tok * n_tokens + self.b_kv * kv_tokens
 
 
-# Prior until the first fit: a memory-bound step where a KV token costs about as much as a
-# query token's share of weight traffic at batch 1. Replaced by the fit as soon as possible.
+# Prior where nothing was measured (a CPU worker has no bandwidth): a memory-bound step where a
+# KV token costs about as much as a query token's share of weight traffic at batch 1.
 PRIOR = CostCoefficients(b_model=1e-2, b_tok=1e-4, b_kv=1e-6)
+
+# The attention kernels read KV at this multiple of the copy-bandwidth floor (H200, real Qwen
+# 0.5B at 32k x 64, docs/profile_async_h200_qwen05b_32k_real_aspire_fixed.json: full-list rows
+# 1.0-1.26x, sparse draft rows ~1.4x); the KV rate of the physical prior.
+KV_READ_FACTOR = 1.3
+# An offset fit (the per-step term alone) averages the latest samples measured since the prior
+# was set (the start-up sweep's own steps pay a host round trip each that served steps do not)
+OFFSET_WINDOW = 64
+MIN_OFFSET_SAMPLES = 2
 
 # A bound must never exceed the truth: attention kernels that only read can beat the rate of
 # the copy that measures the bandwidth by a few percent, and small weights partly hit L2.
@@ -85,6 +98,15 @@ class CostBounds:
 
     def as_array(self) -> np.ndarray:
         return np.array([self.b_model, self.b_tok, self.b_kv])
+
+    def physical_prior(self) -> CostCoefficients | None:
+        """What the bandwidth alone says a step costs: the weights read once per step, KV at
+        ``KV_READ_FACTOR`` x its floor, query tokens free (a memory-bound batch). None where
+        nothing was measured. Its per-step term is only a start: the offset fit replaces it."""
+        if self.b_kv <= 0:
+            return None
+        return CostCoefficients(self.b_model / BOUND_FRACTION, 0.0,
+                                KV_READ_FACTOR * self.b_kv / BOUND_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -170,21 +192,28 @@ class CostModel:
         self,
         window: int = 2048,
         min_samples: int = 16,
-        prior: CostCoefficients = PRIOR,
+        prior: CostCoefficients | None = None,
         bounds: CostBounds | None = None,
         min_r2: float = MIN_R2,
         min_shapes: int = MIN_SHAPES,
+        offset_window: int = OFFSET_WINDOW,
     ) -> None:
         self.bounds = bounds or CostBounds()
         self.min_samples = min_samples
         self.min_r2 = min_r2
         self.min_shapes = min_shapes
+        self.offset_window = offset_window
+        if prior is None:
+            prior = self.bounds.physical_prior() or PRIOR
         self.prior = self.bounds.clamp(prior)
         self.coef = self.prior
-        self.status = "prior"  # "fit", "prior" or "prior: <why the last fit was refused>"
-        self.fallbacks = 0  # fits refused (coefficients set back to the prior)
+        # "fit" (all three terms), "offset: <why not all three>" (the prior's slopes, the
+        # per-step term fitted), "prior" or "prior: <why not even the offset>"
+        self.status = "prior"
+        self.fallbacks = 0  # full fits refused (offset fit or prior in force instead)
         self.errors = PredictionErrors()
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=offset_window)
 
     @property
     def fitted(self) -> bool:
@@ -194,9 +223,12 @@ class CostModel:
         """The calibrated prior (the start-up fit of this deployment), also put in force."""
         self.prior = self.bounds.clamp(coef)
         self.coef = self.prior
+        self._recent.clear()  # the samples it was fitted to are not the offset's
 
     def add_sample(self, n_tokens: float, kv_tokens: float, seconds: float) -> None:
-        self._samples.append((float(n_tokens), float(kv_tokens), float(seconds)))
+        sample = (float(n_tokens), float(kv_tokens), float(seconds))
+        self._samples.append(sample)
+        self._recent.append(sample)
 
     @property
     def num_samples(self) -> int:
@@ -204,35 +236,54 @@ class CostModel:
 
     def fit(self) -> CostCoefficients:
         """Refit from the sample window (bounded least squares). With fewer than min_samples
-        samples nothing changes; a refused fit puts the prior back in force."""
+        samples nothing changes; where the three terms cannot be fitted the offset fit is in
+        force, and where it predicts steps of no cost, the prior."""
         if len(self._samples) < self.min_samples:
             return self.coef
         data = np.array(self._samples)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        y = data[:, 2]
-        why = self._unidentifiable(data, x)
+        why = self._unidentifiable(data)
         if why is None:
-            beta = _bounded_lstsq(x, y, self.bounds.as_array())
-            pred = x @ beta
-            r2 = _r2(y, pred)
+            coef = self.fit_terms(data, (True, True, True), self.bounds)
+            pred = _design(data) @ _array(coef)
             if not (pred > 0).all():
                 why = "predicts steps of no cost"
-            elif r2 < self.min_r2:
-                why = f"r2 {r2:.3f} < {self.min_r2}"
-        if why is not None:
-            self.coef, self.status = self.prior, f"prior: {why}"
-            self.fallbacks += 1
-            return self.coef
-        self.coef = CostCoefficients(*map(float, beta), r2=float(r2), samples=len(data))
-        self.status = "fit"
+            elif coef.r2 < self.min_r2:
+                why = f"r2 {coef.r2:.3f} < {self.min_r2}"
+            else:
+                self.coef, self.status = coef, "fit"
+                return coef
+        self.fallbacks += 1
+        recent = np.array(self._recent).reshape(-1, 3)
+        if len(recent) >= MIN_OFFSET_SAMPLES:
+            offset = self.fit_terms(recent, (True, False, False), self.prior)
+            slopes = _design(recent)[:, 1:] @ _array(self.prior)[1:]
+            # the prior's slopes alone must not over-predict the steps (the per-step term
+            # would sit at its bound and explain nothing: those slopes are wrong here)
+            intercept = float(np.mean(recent[:, 2] - slopes))
+            if intercept > 0 and intercept >= self.bounds.b_model:
+                self.coef, self.status = offset, f"offset: {why}"
+                return offset
+        self.coef, self.status = self.prior, f"prior: {why}"
         return self.coef
 
-    def _unidentifiable(self, data: np.ndarray, x: np.ndarray) -> str | None:
+    def fit_terms(self, data: np.ndarray, free: tuple[bool, bool, bool],
+                  fixed: CostCoefficients | CostBounds) -> CostCoefficients:
+        """Least squares of the ``free`` terms over samples [S, 3] (n_tokens, kv_tokens,
+        seconds), each no lower than its bound; the other terms taken from ``fixed``."""
+        x, y = _design(data), data[:, 2]
+        beta = np.maximum(_array(fixed), self.bounds.as_array())
+        cols = [i for i in range(3) if free[i]]
+        rest = y - x[:, [i for i in range(3) if not free[i]]] @ beta[[not f for f in free]]
+        beta[cols] = _bounded_lstsq(x[:, cols], rest, self.bounds.as_array()[cols])
+        return CostCoefficients(*map(float, beta), r2=_r2(y, x @ beta), samples=len(data))
+
+    def _unidentifiable(self, data: np.ndarray) -> str | None:
         """Why these samples cannot pin down three terms, or None."""
         kv_bucket = np.round(4 * np.log2(1.0 + data[:, 1]))  # quarter octaves
         shapes = len(np.unique(np.column_stack([data[:, 0], kv_bucket]), axis=0))
         if shapes < self.min_shapes:
             return f"{shapes} distinct step shapes < {self.min_shapes}"
+        x = _design(data)
         norms = np.linalg.norm(x, axis=0)
         if (norms == 0).any():
             return "a feature is always 0"
@@ -286,17 +337,27 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
     return 1.0 - resid / total
 
 
+def _design(data: np.ndarray) -> np.ndarray:
+    """[S, 3] samples (n_tokens, kv_tokens, seconds) -> the design [S, 3] (1, n_tokens, kv)."""
+    return np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+
+
+def _array(coef: CostCoefficients | CostBounds) -> np.ndarray:
+    return np.array([coef.b_model, coef.b_tok, coef.b_kv], dtype=float)
+
+
 def _bounded_lstsq(x: np.ndarray, y: np.ndarray, lower: np.ndarray) -> np.ndarray:
-    """Least squares with beta >= lower over 3 unknowns: beta = lower + z, z >= 0, the best of
-    all active sets (2^3 = 8; the optimum is the unconstrained solution on its own support)."""
+    """Least squares with beta >= lower over k <= 3 unknowns: beta = lower + z, z >= 0, the
+    best of all 2^k active sets (the optimum is the unconstrained solution on its support)."""
+    k = x.shape[1]
     r = y - x @ lower
-    best, best_err = np.zeros(3), float((r**2).sum())  # the empty support: beta = lower
-    for mask in range(1, 8):
-        cols = [i for i in range(3) if mask >> i & 1]
+    best, best_err = np.zeros(k), float((r**2).sum())  # the empty support: beta = lower
+    for mask in range(1, 2**k):
+        cols = [i for i in range(k) if mask >> i & 1]
         sub, *_ = np.linalg.lstsq(x[:, cols], r, rcond=None)
         if (sub < 0).any():
             continue
-        z = np.zeros(3)
+        z = np.zeros(k)
         z[cols] = sub
         err = float(((r - x @ z) ** 2).sum())
         if err < best_err:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.page_scores import page_scores, token_max_probs
+from aspire_ray.kernels.page_scores import ScoreConfig, page_scores, token_max_probs, work_tokens
 from aspire_ray.kernels.paged_attention import paged_attention
 from aspire_ray.kernels.reference import page_scores_ref, paged_attention_ref, token_max_probs_ref
 
@@ -41,16 +41,16 @@ def make_case(kv_lens, heads, dtype, page_size=16, seed=0, scale_up=3.0):
     return q, kv, meta
 
 
-def check(q, kv, meta, dtype):
+def check(q, kv, meta, dtype, config=ScoreConfig()):
     scale = q.shape[-1] ** -0.5
     _, lse = paged_attention_ref(q, kv, meta, scale, return_lse=True)
-    out = token_max_probs(q, lse, kv, meta, scale)
+    out = token_max_probs(q, lse, kv, meta, scale, config=config)
     ref = token_max_probs_ref(q, lse, kv, meta, scale)
     atol, rtol = TOLERANCES[dtype]
     assert out.dtype == torch.float32 and out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     assert torch.equal(out == 0, ref == 0)  # slots past kv_len are exactly 0
-    sums = page_scores(q, lse, kv, meta, scale)
+    sums = page_scores(q, lse, kv, meta, scale, config=config)
     assert sums.dtype == torch.float32 and sums.shape == (ref.shape[0],)
     torch.testing.assert_close(sums, page_scores_ref(q, lse, kv, meta, scale), atol=atol,
                                rtol=rtol)  # fmt: skip
@@ -67,6 +67,19 @@ def test_matches_reference(dtype, heads):
 def test_more_work_items_than_programs():
     # CPU stand-in: 4 SMs x 8 programs; 12 rows of 1,000 tokens are 48 items of 256 tokens
     check(*make_case([1000] * 12, (2, 2, 64), torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("config", [
+    ScoreConfig(tile_tokens=128, tiles_per_item=2), ScoreConfig(tiles_per_item=1, num_warps=2),
+    ScoreConfig(tile_tokens=32, tiles_per_item=8, programs_per_sm=1, num_stages=2),
+], ids=["t128x2", "t64x1-w2", "t32x8-p1-s2"])
+def test_program_shapes(config):
+    # every program shape bench_scoring.py measures scores the same; one program per SM
+    # (the CPU stand-in has 4) loops over many items
+    assert work_tokens(16, config) == config.tile_tokens * config.tiles_per_item
+    check(*make_case([1, 37, 300, 700], (6, 2, 64), torch.bfloat16), torch.bfloat16, config)
+    with pytest.raises(ValueError, match="power of two"):
+        ScoreConfig(tiles_per_item=3)
 
 
 @pytest.mark.parametrize("page_size", [8, 32, 128], ids=["ps8", "ps32", "ps128"])
