@@ -218,6 +218,9 @@ def test_steady_batch_refits_the_per_step_term_on_the_prior_slopes():
     assert (coef.b_tok, coef.b_kv) == (model.prior.b_tok, model.prior.b_kv)
     assert coef.b_model == pytest.approx(truth.b_model, rel=1e-6)
     assert model.predict(120, 540_000.0) == pytest.approx(truth.predict(120, 540_000.0))
+    # a step that captured its CUDA graphs (seconds) does not move the per-step term
+    model.add_sample(120, 540_000.0, 2.5)
+    assert model.fit().b_model == pytest.approx(truth.b_model, rel=1e-6)
 
 
 def test_offset_fit_uses_only_steps_measured_since_the_prior():

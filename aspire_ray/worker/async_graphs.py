@@ -40,7 +40,7 @@ from aspire_ray.kernels.device_plan import ragged_fixed
 from aspire_ray.kernels.host import upload
 from aspire_ray.plan import RowPlan
 
-from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last
+from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_selector import PageSelector
 from .page_table import PageTable, gather_lists, list_capacity
 from .step_graphs import StepGraphs
@@ -245,7 +245,7 @@ class AsyncStepGraphs:
         step's argmax over its queries, int64 [sum(layout[s])], on the device, no sync."""
         n = next(b for b in self.row_buckets if b >= len(rows))
         buckets = [self.pieces.bucket(sum(q)) for q in layout]
-        self._sync_tables()
+        sync_tables(self.page_table, self.scores)
         for t in sorted(set(buckets), reverse=True):
             self.ensure(n, t, kv_caches)
         state = np.zeros((6, n), dtype=np.int64)
@@ -261,16 +261,10 @@ class AsyncStepGraphs:
         return self.replay(n, layout)
 
     # ---- a run continued on the device ---------------------------------------------------------
-    def _sync_tables(self) -> None:
-        if self.scores is not None:  # before the capture check: a resize means a recapture
-            self.scores.ensure_slots(self.page_table.slots)
-            self.scores.ensure_width(self.page_table.width)
-        self.page_table.flush()
-
     def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor]) -> bool:
         """Whether the state on the device (``n`` rows) can run steps of this layout without a
         capture (a capture zeroes the state): the tables did not move, every graph exists."""
-        self._sync_tables()
+        sync_tables(self.page_table, self.scores)
         if self._tables_key(kv_caches) != self._key or n not in self.state:
             return False
         for q in layout:

@@ -43,7 +43,12 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
-from .draft_pages import PageScoreTable, choose_top_pages, listed_page_scores
+from .draft_pages import (
+    PageScoreTable,
+    choose_top_pages,
+    listed_page_scores,
+    sync_tables,
+)
 from .page_selector import PageSelector
 from .page_table import PageTable, gather_lists, list_capacity
 from .step_graphs import StepGraphs
@@ -255,10 +260,7 @@ class DraftStepGraphs:
         queries), then upload their state -> (bucket, graph variant)."""
         n = self.bucket(len(rows))
         variant = sampling_variant(specs)
-        if self.scores is not None:  # before the capture check: a resize means a recapture
-            self.scores.ensure_slots(self.page_table.slots)
-            self.scores.ensure_width(self.page_table.width)
-        self.page_table.flush()
+        sync_tables(self.page_table, self.scores)
         self.ensure(n, variant, kv_caches)
         if q:
             self.verify.ensure(n, q, kv_caches)
@@ -303,10 +305,7 @@ class DraftStepGraphs:
         """Whether greedy rounds of ``steps`` drafts can replay from the state on the device
         without a capture (a capture zeroes the state): the tables did not move, the graphs
         exist."""
-        if self.scores is not None:
-            self.scores.ensure_slots(self.page_table.slots)
-            self.scores.ensure_width(self.page_table.width)
-        self.page_table.flush()
+        sync_tables(self.page_table, self.scores)
         return self._tables_key(kv_caches) == self._key and (n, None) in self.graphs \
             and self.verify is not None and (n, steps + 1) in self.verify.graphs  # fmt: skip
 

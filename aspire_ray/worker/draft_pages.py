@@ -17,7 +17,7 @@ from aspire_ray.kernels.device_plan import score_items
 from aspire_ray.kernels.reference import choose_top_pages_ref
 from aspire_ray.model.rotary import fused_ops
 
-from .page_table import gather_lists, list_capacity
+from .page_table import PageTable, gather_lists, list_capacity
 
 
 class PageScoreTable:
@@ -72,6 +72,16 @@ class PageScoreTable:
 
     def row(self, slot: int, pages: int) -> torch.Tensor:
         return self.scores[slot, :pages]
+
+
+def sync_tables(page_table: PageTable, scores: PageScoreTable | None) -> None:
+    """Before a graph step reads them: the score table has a row per page-table slot and a
+    column per page of its widest request (a resize means a recapture, so this runs before the
+    capture check), and the page table's deltas reach the device."""
+    if scores is not None:
+        scores.ensure_slots(page_table.slots)
+        scores.ensure_width(page_table.width)
+    page_table.flush()
 
 
 def choose_top_pages(template: torch.Tensor, pages: torch.Tensor, table: PageScoreTable,
