@@ -69,3 +69,24 @@ def test_preemption_takes_the_cheapest_request_to_recompute():
     engine = _engine("ar", 3 + 25, admission_headroom_tokens=0)
     preempted = _run(engine, [40, 390], 20)
     assert preempted["r0"] > 0 and preempted["r1"] == 0
+
+
+def test_lookahead_pages_go_before_any_request_does():
+    # the next plans' lookahead pages (async runs started early) are taken back from requests
+    # without a row yet before anyone is preempted for want of a page
+    engine = _engine("aspire", 24, admission_headroom_tokens=0)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    a = engine.add_request("a", list(range(1, 101)), params)
+    b = engine.add_request("b", list(range(2, 102)), params)
+    while a.num_computed < 100 or b.num_computed < 100:  # both prefilled
+        engine.step()
+    sched, blocks = engine.scheduler, engine.blocks
+    exact = blocks.pages_for(b.num_computed + len(b.drafts))
+    b.pages += blocks.allocate(b.req_id, blocks.num_free)  # b's lookahead fills the pool
+    assert blocks.num_free == 0 and len(b.pages) > exact
+    sched._unscheduled = [b]
+    need_ctx = blocks.pages_for(len(a.pages) * blocks.page_size + 1) * blocks.page_size
+    assert sched._ensure_pages(a, need_ctx)  # a got its page, and nobody was preempted
+    assert a in sched.running and b in sched.running and sched._unscheduled == [b]
+    assert len(b.pages) == exact and len(a.pages) == blocks.pages_for(need_ctx)
+    blocks.check()
