@@ -31,6 +31,7 @@ from .metadata import PagedKVMeta
 from .paged_attention import _num_sms, check_cache, check_meta, check_q, interpreting, mma
 
 _LOG2E = 1.4426950408889634
+_MAX_STAGED_ROW_BYTES = 256  # a key row (head_dim x element size) staged in shared memory
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ def _score(q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: Pag
     if capacity == 0:
         return out.zero_()
     programs = min(capacity, config.programs_per_sm * _num_sms(q.device))
+    # staged keys take stages x tile x row bytes of shared memory: fp32 rows of 128 (512 B)
+    # in 2 stages asked an H200 for 329 KB of its 227 KB; wider rows go unstaged
+    stages = config.num_stages if q.element_size() * d <= _MAX_STAGED_ROW_BYTES else 1
     _token_max_probs_kernel[(programs,)](
         q, lse, kv_cache, out, work, count, capacity, meta.kv_indptr, meta.kv_indices,
         meta.kv_last_page_len, q.stride(0), q.stride(1), lse.stride(0), kv_cache.stride(0),
@@ -168,7 +172,7 @@ def _score(q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor, meta: Pag
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, PAGE_SIZE=ps, TILE=config.tile(ps), TILES=config.tiles_per_item,
         PAGE_SUM=page_sum, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        UPCAST=interpreting(), num_warps=config.num_warps, num_stages=stages,
     )  # fmt: skip
     return out
 
