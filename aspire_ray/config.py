@@ -134,7 +134,8 @@ class SpecConfig:
     # one probe token, so that alpha and the cost model keep learning (gamma = 0 is never
     # absorbing; docs/speculation.md).
     probe_every: int = 16
-    # Cost model: refit online every N decode steps (prefill chunks are not fitted).
+    # Cost model: refit online every N decode steps (prefill chunks are not fitted; the first
+    # refit comes as soon as two served steps are measured).
     refit_every: int = 64
     # Synchronized modes, greedy batches: once every request drafts, the draft steps left
     # before the verification run back to back as one plan (a draft chain): drafts commit

@@ -26,8 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.kv_store import store_kv
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
 

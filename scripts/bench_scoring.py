@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from bench_kernels import Timer, copy_bandwidth
 
-from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import DEFAULT_SCORE_CONFIG, page_scores
 from aspire_ray.kernels.paged_attention import paged_attention
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 import torch
 from bench_kernels import Timer, copy_bandwidth
 
-from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, paged_attention
 
 VARIANTS = {  # name -> AttentionConfig overrides tried beside the default

@@ -62,7 +62,7 @@ def paged_case(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int
     Sparse rows list a scattered, shuffled subset of a pool three times larger than needed (as
     a draft's page selection does); full rows list consecutive pages of the pool.
     """
-    from aspire_ray.kernels import PagedKVMeta
+    from aspire_ray.kernels.metadata import PagedKVMeta
 
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)

@@ -273,6 +273,13 @@ def test_served_runs_refit_the_per_step_term():
     model = engine.cost_model
     assert engine.stats()["step_kinds"]["async"] > 0
     assert model.prior.b_model == pytest.approx(1e9 / 4e12)  # physical: the weights alone
+    # the first refit does not wait refit_every steps: the prior of a sweep (or of physics)
+    # does not know the served steps' overhead
+    lazy = LLMEngine(_cfg(calibrate="off", refit_every=10_000), executor=FakeExecutor(
+        cfg, info=info, seconds=lambda n, kv: 2e-3 + b_kv * kv))
+    lazy.cost_model.min_samples = 2
+    _drive(lazy, prompts=4, max_tokens=60)
+    assert lazy.cost_model.coef.b_model == pytest.approx(2e-3), lazy.cost_model.status
     assert model.status.split(":")[0] in ("offset", "fit"), model.status
     assert model.coef.b_model == pytest.approx(2e-3) and model.coef.b_kv == pytest.approx(b_kv)
     assert engine.stats()["cost_model"]["status"] == model.status
@@ -329,6 +336,7 @@ def test_prediction_error_is_tracked_by_step_kind():
     # the built-in prior is wrong about this device, and the error says by how much
     cfg = _cfg(calibrate="off", refit_every=10_000, async_steps=1)
     engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    engine.cost_model.min_samples = 10**6  # never refitted
     _drive(engine, prompts=5, max_tokens=50, stagger=3)
     err = engine.stats()["cost_model"]["prediction_error"]
     assert err["verify"]["mean"] > 1.0  # PRIOR's 10 ms per step vs ~2-3 ms measured

@@ -105,3 +105,21 @@ def test_light_package_face():
     proc = subprocess.run([sys.executable, "-c", LIGHT], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_repo_kernels_dir_never_shadows_the_pypi_kernels_package(tmp_path):
+    # transformers >= 5.25 requires the PyPI package `kernels` and imports it; `serve run`
+    # puts the repo root on sys.path, where a regular package `kernels/` once won and the
+    # import failed (`cannot import name 'CUDAProperties'`), so the README's server never came
+    # up. The repo's `kernels/` is a namespace directory: any regular package of that name wins.
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'the PyPI package'\n")
+    repo = ROOT.resolve().parent
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "from kernels import CUDAProperties; print(CUDAProperties); "
+            "from aspire_ray.kernels.metadata import PagedKVMeta")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(repo), str(site)],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "the PyPI package"

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels import reference as ref
+from aspire_ray.kernels.metadata import PagedKVMeta
 
 
 class AttentionBackend:

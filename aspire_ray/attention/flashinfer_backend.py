@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import flashinfer
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.paged_attention import check_cache, check_meta, check_q
 
 from .backend import register_backend

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.attention_config import query_tile_tokens
 from aspire_ray.kernels.kv_store import store_kv
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import page_scores, token_max_probs
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
 

@@ -284,7 +284,7 @@ class LLMEngine:
                 # every refit_every decode steps (an asynchronous run is num_steps of them:
                 # counting plans would refit a 96-token run of 16-step runs once at most)
                 self._steps_since_fit += steps
-            if self._steps_since_fit >= self.cfg.spec.refit_every:
+            if self._steps_since_fit >= self.cfg.spec.refit_every or model.wants_first_refit:
                 model.fit()
                 self._steps_since_fit = 0
 

@@ -214,6 +214,7 @@ class CostModel:
         self.errors = PredictionErrors()
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=offset_window)
+        self._refitted = False  # a fit tried since the prior was set
 
     @property
     def fitted(self) -> bool:
@@ -224,6 +225,15 @@ class CostModel:
         self.prior = self.bounds.clamp(coef)
         self.coef = self.prior
         self._recent.clear()  # the samples it was fitted to are not the offset's
+        self._refitted = False
+
+    @property
+    def wants_first_refit(self) -> bool:
+        """Whether served steps enough for an offset fit were measured and none was tried
+        since the prior was set: the prior of a start-up sweep prices host round trips that
+        served steps do not pay, so the first refit should not wait ``refit_every`` steps."""
+        return not self._refitted and len(self._recent) >= MIN_OFFSET_SAMPLES \
+            and len(self._samples) >= self.min_samples  # fmt: skip
 
     def add_sample(self, n_tokens: float, kv_tokens: float, seconds: float) -> None:
         sample = (float(n_tokens), float(kv_tokens), float(seconds))
@@ -240,6 +250,7 @@ class CostModel:
         force, and where it predicts steps of no cost, the prior."""
         if len(self._samples) < self.min_samples:
             return self.coef
+        self._refitted = True
         data = np.array(self._samples)
         why = self._unidentifiable(data)
         if why is None:

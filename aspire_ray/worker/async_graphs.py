@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import ragged_fixed
 from aspire_ray.kernels.host import upload
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.host import upload
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler

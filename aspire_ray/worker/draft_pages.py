@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.device_plan import score_items
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.reference import choose_top_pages_ref
 from aspire_ray.model.rotary import fused_ops
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from aspire_ray.attention import AttentionBackend
-from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.tp import TPGroup
 
 

@@ -23,8 +23,8 @@ import torch
 
 from aspire_ray.attention import AttentionBackend
 from aspire_ray.config import EngineConfig
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.host import offsets, ragged_arange, upload
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowKind, RowPlan
 from aspire_ray.tp import TPGroup
 

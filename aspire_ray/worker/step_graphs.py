@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.attention_config import AttentionConfig
+from aspire_ray.kernels.metadata import PagedKVMeta
 
 from .cuda_graphs import PiecewiseGraphs
 from .step_attention import StepAttention

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
+from aspire_ray.kernels.metadata import PagedKVMeta
 
 from .draft_pages import rescore_first_last
 from .page_table import gather_lists, list_capacity

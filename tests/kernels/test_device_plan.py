@@ -7,7 +7,6 @@ import pytest
 import torch
 from helpers import paged_case
 
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.attention_config import AttentionConfig
 from aspire_ray.kernels.device_plan import (
     attention_items,
@@ -15,6 +14,7 @@ from aspire_ray.kernels.device_plan import (
     ragged_fixed,
     score_items,
 )
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import _host_work, page_scores, token_max_probs, work_tokens
 from aspire_ray.kernels.paged_attention import (
     FixedPlan,

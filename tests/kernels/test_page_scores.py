@@ -5,8 +5,14 @@ import random
 import pytest
 import torch
 
-from aspire_ray.kernels import PagedKVMeta
-from aspire_ray.kernels.page_scores import ScoreConfig, page_scores, token_max_probs, work_tokens
+from aspire_ray.kernels.metadata import PagedKVMeta
+from aspire_ray.kernels.page_scores import (
+    DEFAULT_SCORE_CONFIG,
+    ScoreConfig,
+    page_scores,
+    token_max_probs,
+    work_tokens,
+)
 from aspire_ray.kernels.paged_attention import paged_attention
 from aspire_ray.kernels.reference import page_scores_ref, paged_attention_ref, token_max_probs_ref
 
@@ -41,7 +47,7 @@ def make_case(kv_lens, heads, dtype, page_size=16, seed=0, scale_up=3.0):
     return q, kv, meta
 
 
-def check(q, kv, meta, dtype, config=ScoreConfig()):
+def check(q, kv, meta, dtype, config=DEFAULT_SCORE_CONFIG):
     scale = q.shape[-1] ** -0.5
     _, lse = paged_attention_ref(q, kv, meta, scale, return_lse=True)
     out = token_max_probs(q, lse, kv, meta, scale, config=config)

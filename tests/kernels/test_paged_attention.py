@@ -7,8 +7,8 @@ import torch
 from helpers import paged_case
 
 from aspire_ray.attention import get_backend
-from aspire_ray.kernels import PagedKVMeta
 from aspire_ray.kernels.attention_config import query_tile_tokens
+from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.paged_attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
