@@ -115,7 +115,7 @@ def test_the_repo_kernels_dir_never_shadows_the_pypi_kernels_package(tmp_path):
     site = tmp_path / "site"
     (site / "kernels").mkdir(parents=True)
     (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'the PyPI package'\n")
-    repo = ROOT.resolve().parent
+    repo = Path(__file__).resolve().parent.parent  # the checkout (ROOT may be site-packages)
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
             "import kernels; from kernels import CUDAProperties; print(kernels.__file__); "
             "from aspire_ray.kernels.metadata import PagedKVMeta")  # fmt: skip
