@@ -101,6 +101,25 @@ def copy_bandwidth(timer: Timer) -> float:
     return 2 * 4 * GIB / ms / 1e6
 
 
+def add_row_shape_args(p: argparse.ArgumentParser) -> None:
+    """The rows of one attention call at the real Qwen2.5-Coder-0.5B shape (64 x 32k, 14 q / 2
+    kv heads of 64): the options the per-step-kind benchmarks share."""
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=32000)
+    p.add_argument("--q-heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+
+
+def rows_meta(batch: int, q_len: int, context: int, page_size: int,
+              gen: torch.Generator) -> PagedKVMeta:  # fmt: skip
+    """batch rows of q_len queries over context tokens each, on distinct random pages."""
+    n = -(-context // page_size)
+    pages = torch.randperm(batch * n, generator=gen).view(batch, n).tolist()
+    return PagedKVMeta.build([q_len] * batch, pages, [context] * batch, page_size, "cuda")
+
+
 def make_meta(page_table: torch.Tensor, kv_len: int, page_size: int) -> PagedKVMeta:
     """Decode rows (1 query each) over page_table [B, n] (physical page ids), kv_len tokens each."""
     b, n = page_table.shape

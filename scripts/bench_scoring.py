@@ -17,9 +17,8 @@ from dataclasses import asdict, replace
 from functools import partial
 
 import torch
-from bench_kernels import Timer, copy_bandwidth
+from bench_kernels import Timer, add_row_shape_args, copy_bandwidth, rows_meta
 
-from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import DEFAULT_SCORE_CONFIG, page_scores
 from aspire_ray.kernels.paged_attention import paged_attention
 
@@ -45,12 +44,7 @@ VARIANTS = {  # name -> ScoreConfig overrides
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=32000)
-    p.add_argument("--q-heads", type=int, default=14)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
+    add_row_shape_args(p)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
@@ -61,8 +55,7 @@ def main() -> None:
     n = -(-a.context // a.page_size)
     kv = torch.randn(a.batch * n, 2, a.page_size, a.kv_heads, a.head_dim,
                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    pages = torch.randperm(a.batch * n, generator=gen).view(a.batch, n).tolist()
-    meta = PagedKVMeta.build([1] * a.batch, pages, [a.context] * a.batch, a.page_size, "cuda")
+    meta = rows_meta(a.batch, 1, a.context, a.page_size, gen)
     q = torch.randn(a.batch, a.q_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
     scale = a.head_dim**-0.5
     _, lse = paged_attention(q, kv, meta, scale, return_lse=True)

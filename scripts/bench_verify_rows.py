@@ -16,9 +16,8 @@ import json
 from dataclasses import asdict, replace
 
 import torch
-from bench_kernels import Timer, copy_bandwidth
+from bench_kernels import Timer, add_row_shape_args, copy_bandwidth, rows_meta
 
-from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, paged_attention
 
 VARIANTS = {  # name -> AttentionConfig overrides tried beside the default
@@ -35,22 +34,9 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
-def rows_meta(batch: int, q_len: int, context: int, page_size: int,
-              gen: torch.Generator) -> PagedKVMeta:  # fmt: skip
-    """batch rows of q_len queries over context tokens each, on distinct random pages."""
-    n = -(-context // page_size)
-    pages = torch.randperm(batch * n, generator=gen).view(batch, n).tolist()
-    return PagedKVMeta.build([q_len] * batch, pages, [context] * batch, page_size, "cuda")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=32000)
-    p.add_argument("--q-heads", type=int, default=14)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
+    add_row_shape_args(p)
     p.add_argument("--q-lens", type=ints, default=[1, 2, 4, 6, 8])
     p.add_argument("--variants", default="default", help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--reps", type=int, default=20)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,8 +49,9 @@ PRIOR = CostCoefficients(b_model=1e-2, b_tok=1e-4, b_kv=1e-6)
 # 0.5B at 32k x 64, docs/profile_async_h200_qwen05b_32k_real_aspire_fixed.json: full-list rows
 # 1.0-1.26x, sparse draft rows ~1.4x); the KV rate of the physical prior.
 KV_READ_FACTOR = 1.3
-# An offset fit (the per-step term alone) averages the latest samples measured since the prior
-# was set (the start-up sweep's own steps pay a host round trip each that served steps do not)
+# An offset fit (the per-step term alone) takes the median over the latest samples measured
+# since the prior was set (the start-up sweep's own steps pay a host round trip each that
+# served steps do not)
 OFFSET_WINDOW = 64
 MIN_OFFSET_SAMPLES = 2
 
@@ -269,13 +270,14 @@ class CostModel:
             x, y = _design(recent), recent[:, 2]
             # the median, not the mean: a step that captured a CUDA graph costs seconds (an
             # H200's first runs put the mean at 58 ms for steps of ~4.6 ms)
-            intercept = float(np.median(y - x[:, 1:] @ _array(self.prior)[1:]))
+            slopes = x[:, 1:] @ _array(self.prior)[1:]  # [S] seconds of tokens and KV
+            intercept = float(np.median(y - slopes))
             # the prior's slopes alone must not over-predict the steps (the per-step term
             # would sit at its bound and explain nothing: those slopes are wrong here)
             if intercept > 0 and intercept >= self.bounds.b_model:
                 p = self.prior
-                offset = CostCoefficients(intercept, p.b_tok, p.b_kv, samples=len(recent))
-                offset = replace(offset, r2=_r2(y, x @ _array(offset)))
+                offset = CostCoefficients(intercept, p.b_tok, p.b_kv, r2=_r2(y, intercept + slopes),
+                                          samples=len(recent))  # fmt: skip
                 self.coef, self.status = offset, f"offset: {why}"
                 return offset
         self.coef, self.status = self.prior, f"prior: {why}"
