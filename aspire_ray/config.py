@@ -277,6 +277,9 @@ class EngineConfig:
     tp_size: int = 1
     load_format: str = "auto"
     attention_backend: str = "auto"
+    # Settings of the triton backend's kernels (kernels/attention_config.AttentionConfig
+    # fields, e.g. {"concurrent_launches": False}); checked when the worker builds its backend.
+    attention_options: dict = field(default_factory=dict)
     tokenizer: str | None = None  # defaults to the model's own
     # For load_format="dummy": a HF config (dict) or a path/alias whose config is used.
     hf_overrides: dict = field(default_factory=dict)
@@ -305,6 +308,10 @@ class EngineConfig:
         _require(self.load_format in LOAD_FORMATS,
                  f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _require(isinstance(self.attention_options, dict)
+                 and all(isinstance(k, str) for k in self.attention_options),
+                 f"attention_options must map setting names to values, "
+                 f"got {self.attention_options!r}")  # fmt: skip
         _require(self.calibrate in CALIBRATE,
                  f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         _require(self.device.split(":")[0] in ("cpu", "cuda"),

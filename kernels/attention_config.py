@@ -30,6 +30,10 @@ class AttentionConfig:
     # the split-KV merge: heads per program (None: 256 // head_dim) and splits loaded at once
     merge_head_block: int | None = None
     merge_split_block: int = 16
+    # a plan's launches of different query tiles (a mixed step's draft rows and verify rows)
+    # run on their own CUDA streams, side by side: one after another, the draft rows' short
+    # launch leaves most SMs idle while it drains (docs/benchmarks.md §8.23)
+    concurrent_launches: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m_min", "block_m_max", "block_n"):

@@ -236,6 +236,45 @@ def _block_n(cfg: AttentionConfig, block_m: int, head_dim: int, elem_size: int) 
     return max(16, min(cfg.block_n, cap))
 
 
+def side_by_side(launches: list[_Launch], run, device: torch.device, concurrent: bool) -> None:
+    """run(launch) for each launch; on a GPU with ``concurrent``, the first on the current
+    stream and each other on a side stream forked from it and joined back before returning.
+
+    The launches write disjoint outputs (their own rows' tokens, their own partial rows) and
+    read only what the current stream wrote before the fork, so their order does not change a
+    bit. Fork and join are stream-event waits: a CUDA graph captures them as parallel
+    branches. Tensors are allocated on the current stream and the join precedes any later use
+    or free, so the caching allocator needs no ``record_stream``."""
+    if not concurrent or len(launches) < 2 or device.type != "cuda":
+        for launch in launches:
+            run(launch)
+        return
+    main = torch.cuda.current_stream(device)
+    sides = _side_streams(device, len(launches) - 1)
+    for side in sides:
+        side.wait_stream(main)
+    run(launches[0])
+    for launch, side in zip(launches[1:], sides, strict=True):
+        with torch.cuda.stream(side):
+            run(launch)
+    for side in sides:
+        main.wait_stream(side)
+
+
+_SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
+    """n side streams of ``device``, created once (the first call comes from an eager warm-up
+    run: plans are built before any capture)."""
+    streams = _SIDE_STREAMS.setdefault(torch.device(device.type, device.index
+                                                    if device.index is not None
+                                                    else torch.cuda.current_device()), [])
+    while len(streams) < n:
+        streams.append(torch.cuda.Stream(device))
+    return streams[:n]
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _CPU_SMS
@@ -551,7 +590,8 @@ def paged_attention(
     elif opart is None:
         opart = lpart = out  # never written
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    for launch in plan.launches:
+
+    def launch_attention(launch: _Launch) -> None:
         block_m = launch.block_m
         _attn_kernel[(launch.capacity, hkv)](
             q, kv_cache, out, lse, opart, lpart, launch.work, launch.count, launch.capacity,
@@ -563,6 +603,8 @@ def paged_attention(
             DOT_PRECISION=precision, UPCAST=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
+
+    side_by_side(plan.launches, launch_attention, q.device, config.concurrent_launches)
     if plan.merge is not None:
         # few heads per program: with one long row the merge must still spread over the SMs
         head_block = min(triton.next_power_of_2(hq), config.merge_head_block or max(1, 256 // d))

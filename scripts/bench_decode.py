@@ -57,6 +57,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "hostverify": {"verify_graphs": False},  # round verification planned on the host
     # nothing of the next plan started before this one's tokens reach the host
     "serial": {"rounds_overlap": False, "async_overlap_steps": 0},
+    # a plan's attention launches one after another, not side by side on two streams
+    "seqattn": {"attention_options": {"concurrent_launches": False}},
 }
 
 

@@ -3,7 +3,9 @@ them: one graph of ``--layers`` attention calls (each layer its own KV pool, as 
 launch gaps and the split-KV merge count as they do in a step.
 
 Shapes: ``--batch`` rows over sparse lists of k pages (draft rows: k = the sparse budget of a
-``--context`` row) and over full lists (``ar`` and verify rows, ``--q-lens``). Per config: GPU
+``--context`` row), over full lists (``ar`` and verify rows, ``--q-lens``), and mixed steps
+(``--mixed``: that many verify rows of ``--mixed-q`` queries over full lists, the rest draft
+rows; two launches, one per query tile, as an asynchronous run's step). Per config: GPU
 time per layer (median of graph replays, CUDA events), KV GB/s and its fraction of the copy
 bandwidth measured in the same run.
 
@@ -50,6 +52,8 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "merge_s64": {"merge_split_block": 64},
     "merge_h2_s32": {"merge_head_block": 2, "merge_split_block": 32},
     "merge_h16_s8": {"merge_head_block": 16, "merge_split_block": 8},
+    # a mixed step's two launches one after another instead of side by side
+    "serial": {"concurrent_launches": False},
 }
 
 
@@ -91,6 +95,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--q-lens", type=ints, default=[1, 6], help="full rows' query counts")
+    p.add_argument("--mixed", type=ints, default=[], help="verify rows of mixed steps")
+    p.add_argument("--mixed-q", type=int, default=5, help="a mixed step's verify queries")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
@@ -99,19 +105,29 @@ def main() -> None:
     copy_gbps = copy_bandwidth(Timer(5))
     full_pages = -(-a.context // a.page_size)
     sparse_pages = max(32, math.ceil(a.rho * full_pages))
-    shapes = [("draft", 1, sparse_pages)] + [(f"full_q{q}", q, full_pages) for q in a.q_lens]
+    # (kind, each row's (queries, pages)): its first rows' queries, then the rest's
+    shapes = [("draft", [(1, sparse_pages)] * a.batch)]
+    shapes += [(f"full_q{q}", [(q, full_pages)] * a.batch) for q in a.q_lens]
+    shapes += [(f"mixed_v{v}_q{a.mixed_q}",
+                [(a.mixed_q, full_pages)] * v + [(1, sparse_pages)] * (a.batch - v))
+               for v in a.mixed]  # fmt: skip
     results = []
-    for kind, q_len, n in shapes:
-        pools = [torch.randn(a.batch * n, 2, a.page_size, a.kv_heads, a.head_dim,
+    for kind, rows in shapes:
+        q_lens, n_pages = [r[0] for r in rows], [r[1] for r in rows]
+        total = sum(n_pages)
+        pools = [torch.randn(total, 2, a.page_size, a.kv_heads, a.head_dim,
                              dtype=torch.bfloat16, device="cuda")
                  for _ in range(a.layers)]  # fmt: skip
-        pages = torch.randperm(a.batch * n, generator=gen).view(a.batch, n).tolist()
-        q = torch.randn(a.batch * q_len, a.q_heads, a.head_dim, dtype=torch.bfloat16,
+        order = torch.randperm(total, generator=gen).tolist()
+        starts = [sum(n_pages[:i]) for i in range(len(rows))]
+        pages = [order[s:s + n] for s, n in zip(starts, n_pages, strict=True)]
+        q = torch.randn(sum(q_lens), a.q_heads, a.head_dim, dtype=torch.bfloat16,
                         device="cuda")  # fmt: skip
-        kv_bytes = a.batch * n * a.page_size * 2 * a.kv_heads * a.head_dim * 2
+        kv_bytes = total * a.page_size * 2 * a.kv_heads * a.head_dim * 2
+        q_len, n = max(q_lens), max(n_pages)
         for name in a.variants.split(","):
             cfg = replace(DEFAULT_CONFIG, **VARIANTS[name])
-            meta = PagedKVMeta.build([q_len] * a.batch, pages, [n * a.page_size] * a.batch,
+            meta = PagedKVMeta.build(q_lens, pages, [m * a.page_size for m in n_pages],
                                      a.page_size, "cuda")  # fmt: skip
 
             def step(meta=meta, cfg=cfg, pools=pools, q=q):

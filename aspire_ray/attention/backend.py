@@ -107,8 +107,10 @@ def _load_optional_backend(name: str) -> None:
         _missing[name] = (_PACKAGES[root], e)
 
 
-def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Resolve a backend by name; "auto" is "torch" off CUDA and "triton" on CUDA.
+def get_backend(name: str, device: torch.device | str,
+                options: dict | None = None) -> AttentionBackend:  # fmt: skip
+    """Resolve a backend by name; "auto" is "torch" off CUDA and "triton" on CUDA. options:
+    the triton backend's kernel settings (``AttentionConfig`` fields); other backends take none.
 
     On CUDA "auto" never falls back to the torch reference: without triton (which CUDA torch
     wheels bring) it raises ``BackendUnavailableError`` naming the package, rather than serve
@@ -137,4 +139,9 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
         raise BackendUnavailableError(
             f"attention backend {name!r} is not available (available: {sorted(_REGISTRY)})"
         )
-    return _REGISTRY[name]()
+    if not options:
+        return _REGISTRY[name]()
+    if name != "triton":
+        raise ValueError(f"attention_options {sorted(options)} are settings of the 'triton' "
+                         f"backend, not of {name!r}")
+    return _REGISTRY[name](**options)

@@ -6,6 +6,8 @@ under ``TRITON_INTERPRET=1``, slowly, which is how CI tests them).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from aspire_ray.kernels.attention_config import query_tile_tokens
@@ -22,8 +24,13 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, config: AttentionConfig = DEFAULT_CONFIG) -> None:
-        self.config = config
+    def __init__(self, config: AttentionConfig = DEFAULT_CONFIG, **options) -> None:
+        """options: AttentionConfig fields to change from ``config``."""
+        known = set(AttentionConfig.__dataclass_fields__)
+        if set(options) - known:
+            raise ValueError(f"unknown attention_options {sorted(set(options) - known)} "
+                             f"(known: {sorted(known)})")
+        self.config = replace(config, **options) if options else config
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

@@ -111,6 +111,7 @@ def deployment_key(engine: CalibratedEngine) -> dict:
         "tp_size": cfg.tp_size,
         "dtype": cfg.dtype,
         "attention_backend": cfg.attention_backend,
+        "attention_options": json.dumps(cfg.attention_options, sort_keys=True, default=str),
         "page_size": cfg.cache.page_size,
         "k_min": cfg.spec.k_min,
         "rho": cfg.spec.rho,

@@ -32,6 +32,7 @@ class EngineArgs(BaseModel):
     tp_size: int = Field(1, ge=1)
     load_format: Literal["auto", "hf", "gguf", "dummy"] = "auto"
     attention_backend: str = "auto"
+    attention_options: dict[str, Any] = Field(default_factory=dict)
     tokenizer: str | None = None
     seed: int = 0
     # Cost-model calibration at start-up: auto (cached fit or a short sweep), off, force.

@@ -77,7 +77,7 @@ class Worker:
         self.model = build_model(cfg, self.tp, self.device)
         self.arch = self.model.arch
         self.page_size = cfg.cache.page_size
-        self.backend = get_backend(cfg.attention_backend, self.device)
+        self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options)
         self.selector = make_selector(cfg.spec)
         self.refresh_layer = self._refresh_layer()
         # measured once, before the KV pool takes the device's memory (describe() reports it)

@@ -233,3 +233,27 @@ def test_gpu_grid(dtype, heads, case):
     q_lens, kv_lens = case
     q, kv, meta = make_case(q_lens, kv_lens, heads, dtype, seed=len(q_lens))
     check(q, kv, meta, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_launches_side_by_side_equal_one_after_another(dtype):
+    # A mixed step's draft rows (16-row tiles) and verify rows (64-row tiles) are two launches,
+    # run on two streams by default: bit for bit the serial result, eagerly and in a CUDA graph.
+    q_lens = [1] * 40 + [6] * 12 + [1] * 12
+    kv_lens = [random.Random(i).randint(100, 3000) for i in range(len(q_lens))]
+    q, kv, meta = make_case(q_lens, kv_lens, (14, 2, 64), dtype, seed=3)
+    serial = AttentionConfig(concurrent_launches=False)
+    assert len(_plan(meta, 7, 2, DEFAULT_CONFIG).launches) == 2
+    want, want_lse = paged_attention(q, kv, meta, 0.125, return_lse=True, config=serial)
+    out, lse = paged_attention(q, kv, meta, 0.125, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_attention(q, kv, meta, 0.125)
+    captured.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
