@@ -299,6 +299,10 @@ class EngineConfig:
     # itself on the device (worker/verify_graphs.py), so a plan's rounds replay back to back
     # with one host sync; False: the host plans each round's verification.
     verify_graphs: bool = True
+    # The self-planning graphs plan their rows (tokens, page lists) and accept in one Triton
+    # launch each (kernels/row_plan.py); False: the tensor ops of its reference, ~60-90 small
+    # kernels a step (kept to measure the difference in one run).
+    fused_row_planning: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -200,3 +200,120 @@ def gather_lists_ref(table: torch.Tensor, counts: torch.Tensor, logical: torch.T
     indices = torch.zeros(capacity + 1, dtype=torch.int32, device=counts.device)
     indices.scatter_(0, dest.flatten(), phys.flatten())
     return indptr.int(), indices[:capacity]
+
+
+def plan_rows_ref(state: dict[str, torch.Tensor], chain: torch.Tensor, table: torch.Tensor,
+                  layout: torch.Tensor, page_size: int, tokens: int, inputs: torch.Tensor,
+                  sparse_capacity: int, full_capacity: int = 0, queries: int = 0,
+                  verify_all: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A self-planning graph step's rows: their query tokens and every page list, from a few
+    numbers per row (``kernels/row_plan.py`` is one launch of this).
+
+    state: int64 [n] each: ``slot`` (page-table row), ``flags`` (bit 1: a real row), ``x_id``
+    and ``x_pos`` (the last committed token, whose KV is not written yet, and its position),
+    and for ragged rows (queries 0) ``held`` (drafts held) and ``gamma`` (the draft length:
+    a row holding that many verifies). chain: int64 [D, n], row r's drafts chain[:held, r].
+    table: int32 [slots, W] the page table; layout: int32 [3, W + 1], the draft page policy's
+    (head_end, n_top, tail_start) by page count (``PageSelector.layout``).
+
+    A verify row's queries are [x_n, d_1 .. d_held] at x_pos .. x_pos + held and it lists
+    every page; a draft row's one query is its last draft (x_n if none) at x_pos + held, and it
+    lists the policy's pages: [0, head_end), n_top placeholders for the top-k middle (pages
+    min(j, P - 1), chosen later from scores), [tail_start, P). Either way the row's last query
+    sees end = x_pos + held + 1 tokens. With ``queries`` = q every row has q queries (padding
+    rows too, none of whose tokens write KV), held = q - 1, and ``verify_all`` says whether the
+    rows verify; else rows of no flag hold no query and no page.
+
+    Writes inputs[:, :tokens] (int64 [3, >= tokens]: token ids, positions, KV slots; -1 and 0
+    for tokens no row holds) and returns: qo int32 [n + 1]; rows int64 [6, n] (queries, pages,
+    end, verify, row_slot, live); last int32 [n] (tokens on the last page); indptr int32
+    [n + 1] and indices int32 [sparse_capacity] (the policy's lists, 0 past them); choose int32
+    [4, n] (``choose_top_pages``' rows: slot, candidates, n_top, where the middle starts); with
+    full_capacity, full_indptr and full_indices (every page of every row)."""
+    slot, flags, x_id, x_pos = (state[k] for k in ("slot", "flags", "x_id", "x_pos"))
+    n, dev, ps, width = slot.shape[0], slot.device, page_size, table.shape[1]
+    live = (flags & 1) > 0
+    if queries:
+        held = torch.full_like(x_pos, queries - 1)
+        verify = torch.full_like(live, verify_all)
+        n_q = torch.full_like(x_pos, queries)
+    else:
+        held = state["held"]
+        verify = live & (held >= state["gamma"])
+        n_q = torch.where(verify, held + 1, live.long())
+    qo = torch.zeros(n + 1, dtype=torch.long, device=dev)
+    qo[1:] = torch.cumsum(n_q, 0)
+    row_slot = torch.where(live, slot, 0)
+
+    # tokens: row r's queries are qo[r] .. qo[r + 1] - 1
+    e = torch.arange(tokens, device=dev)
+    row = torch.searchsorted(qo[1:], e, right=True).clamp(max=n - 1)
+    local = e - qo[row]
+    real = e < qo[-1]
+    drafts = chain.shape[0]
+    held_tok = chain[(local - 1).clamp(0, drafts - 1), row]
+    last_draft = chain[(held - 1).clamp(0, drafts - 1), torch.arange(n, device=dev)]
+    draft_in = torch.where(held > 0, last_draft, x_id)
+    ids = torch.where(verify[row], torch.where(local == 0, x_id[row], held_tok), draft_in[row])
+    pos = x_pos[row] + torch.where(verify[row], local, held[row])
+    block = (pos // ps).clamp(0, width - 1)
+    kv_slot = table[row_slot[row], block].long() * ps + pos % ps
+    kv_slot = torch.where(real & live[row], kv_slot, -1)
+    inputs[:, :tokens].copy_(torch.stack([torch.where(real, ids, 0), torch.where(real, pos, 0),
+                                          kv_slot]))  # fmt: skip
+
+    # page lists
+    end = x_pos + held + 1
+    pages = torch.where(live, (end + ps - 1) // ps, 0)
+    last = torch.where(live, end - (pages - 1) * ps, 1).int()
+    head_end, n_top, tail_start = layout.long()[:, pages.clamp(0, width)]
+    head_end = torch.where(verify, pages, head_end)
+    n_top = torch.where(verify, 0, n_top)
+    tail_start = torch.where(verify, pages, tail_start)
+    counts = head_end + n_top + (pages - tail_start)
+    j = torch.arange(width, device=dev)[None, :]
+    middle_end = (head_end + n_top)[:, None]
+    logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
+                          torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
+    indptr, indices = gather_lists_ref(table, counts, logical, row_slot, sparse_capacity)
+    out = {
+        "qo": qo.int(), "last": last, "indptr": indptr, "indices": indices,
+        "rows": torch.stack([n_q, pages, end, verify.long(), row_slot, live.long()]),
+        "choose": torch.stack([row_slot, tail_start - head_end, n_top,
+                               indptr[:-1].long() + head_end]).int(),
+    }  # fmt: skip
+    if full_capacity:
+        out["full_indptr"], out["full_indices"] = gather_lists_ref(
+            table, pages, j.expand(n, -1), row_slot, full_capacity)
+    return out
+
+
+def accept_rows_ref(argmax: torch.Tensor, tokens: torch.Tensor, qo: torch.Tensor,
+                    rows: torch.Tensor, x_id: torch.Tensor, x_pos: torch.Tensor,
+                    start_pos: torch.Tensor, chain: torch.Tensor,
+                    held: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Greedy acceptance of a planned step's rows (``plan_rows_ref``'s qo and rows), in place.
+
+    argmax, tokens: int64 [t], the target's argmax at each query token and the token itself.
+    A live verify row accepts a = the longest prefix of its drafts (tokens 1..) equal to the
+    argmax before them; then x_id = argmax at its query a, x_pos = start_pos + a + 1 and (with
+    held) no draft held. A draft row (held given: asynchronous rows) appends the argmax at its
+    query to its drafts, chain[held, r], and holds one more. Other rows keep their numbers.
+    x_id, x_pos, start_pos, held: int64 [n]; chain: int64 [D, n]."""
+    n, t, max_q = x_id.shape[0], argmax.shape[0], chain.shape[0] + 1
+    n_q, verify, live = rows[0], rows[3] > 0, rows[5] > 0
+    verify = verify & live
+    start = qo[:-1].long()
+    k = torch.arange(max_q, device=argmax.device)
+    idx = (start[:, None] + k[None, :]).clamp(max=t - 1)  # [n, max_q] a row's tokens
+    match = (argmax[idx[:, :-1]] == tokens[idx[:, 1:]]) & (k[None, :-1] < n_q[:, None] - 1)
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    bonus = argmax[idx.gather(1, accepted[:, None])[:, 0]]
+    if held is not None:
+        draft = live & ~verify
+        cols = torch.arange(n, device=argmax.device)
+        d_at = held.clamp(max=chain.shape[0] - 1)
+        chain[d_at, cols] = torch.where(draft, argmax[start.clamp(max=t - 1)], chain[d_at, cols])
+        held.copy_(torch.where(verify, 0, held + draft.long()))
+    x_id.copy_(torch.where(verify, bonus, x_id))
+    x_pos.copy_(torch.where(verify, start_pos + accepted + 1, x_pos))

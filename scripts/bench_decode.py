@@ -59,6 +59,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "serial": {"rounds_overlap": False, "async_overlap_steps": 0},
     # a plan's attention launches one after another, not side by side on two streams
     "seqattn": {"attention_options": {"concurrent_launches": False}},
+    # the self-planning graphs' rows planned by tensor ops, not one launch (kernels/row_plan.py)
+    "torchplan": {"fused_row_planning": False},
 }
 
 

@@ -128,3 +128,14 @@ def test_rounds_started_early_on_gpu(mode):
     assert overlapped == _run(mode, "float32", max_tokens=96, rounds_overlap=False)
     assert overlapped == _run("ar", "float32", max_tokens=96)
     assert graphs.rounds_continued >= 3, (graphs.rounds_started, graphs.rounds_continued)
+
+
+@pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])
+def test_fused_row_planning_is_the_tensor_ops_bit_for_bit(mode):
+    # kernels/row_plan.py plans the graphs' rows (integers only: tokens, slots, page lists) and
+    # accepts, so the steps attend to the same pages in the same order: bf16 output is equal
+    fused = _run(mode, "bfloat16", max_tokens=64)
+    worker = _run.last_worker
+    steps = (worker.async_graphs or worker.draft_graphs).steps
+    assert fused == _run(mode, "bfloat16", max_tokens=64, fused_row_planning=False)
+    assert steps > 20, "no step replayed the self-planning graphs"

@@ -12,13 +12,15 @@ step, its planning included:
              and KV slots; page lists (draft rows: the policy's sparse list with its top-k
              middle chosen from the score table; verify rows: every page) and the attention
              work of rows of ragged queries (``FixedPlan.load_rows``; every verify row in one
-             launch of the widest query tile, draft rows in another)
+             launch of the widest query tile, draft rows in another); the tokens and lists
+             are ``step_rows.plan_rows``, one launch on a GPU
     l_r      with a scored policy (refresh while drafting): every row attends to all its
              pages and rescores them (draft rows from their query, verify rows from their
              first and last); draft rows' middles are re-chosen from the new scores for the
              layers after l_r
     accept   draft rows: the argmax joins their drafts; verify rows: a = the longest prefix
              of drafts equal to the argmax, then x_n = argmax[a] at p + a + 1, no drafts held
+             (``step_rows.accept_rows``, one launch on a GPU)
 
 The host knows each step's queries before the run (``RowPlan.async_kinds``), so it picks each
 step's token bucket, uploads the rows' numbers once and replays one graph per step; each
@@ -35,15 +37,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aspire_ray.kernels.device_plan import ragged_fixed
 from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_selector import PageSelector
-from .page_table import PageTable, gather_lists, list_capacity
+from .page_table import PageTable, list_capacity
 from .step_graphs import StepGraphs
+from .step_rows import accept_rows, plan_rows, policy_layout
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
@@ -54,10 +56,12 @@ _LIVE, _SCORED = 1, 2  # row flag bits: a real row; its request has page scores
 class AsyncStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
-                 max_drafts: int) -> None:  # fmt: skip
+                 max_drafts: int, fused_rows: bool = True) -> None:  # fmt: skip
         """selector: the draft page policy; with one that reads scores (scores given) every
         row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
-        the most drafts a row holds (a verify row has one query more)."""
+        the most drafts a row holds (a verify row has one query more); fused_rows: rows
+        planned and accepted in one launch each (``step_rows``)."""
+        self.fused_rows = fused_rows
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer = selector, refresh_layer
@@ -73,6 +77,7 @@ class AsyncStepGraphs:
         self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
         self._key = None
         self._pool_pages = 0
+        self._layouts: torch.Tensor | None = None  # int32 [3, W + 1]: policy_layout
         self.steps = 0  # steps replayed
         # the request of each row of the state on the device (None: padding, or a row that
         # stopped): rows of a run continued on the device keep their places
@@ -111,6 +116,7 @@ class AsyncStepGraphs:
                 self.state[n] = torch.zeros(6, n, dtype=torch.int64, device=p.device)
                 self.chain[n] = torch.zeros(max(self.max_drafts, 1), n, dtype=torch.int64,
                                             device=p.device)  # fmt: skip
+            self._layout(self.page_table.table.shape[1])
             fn = lambda: self._step(n, t, kv_caches)  # noqa: E731
             graph, out = p.capture_idle(fn, [self.state[n]])
         self.graphs[n, t], self.argmax[n, t] = graph, out
@@ -142,52 +148,24 @@ class AsyncStepGraphs:
         state, chain = self.state[n], self.chain[n]
         slot, flags, gamma, held, x_id, x_pos = state
         table = self.page_table.table  # int32 [slots, W]
-        ps, width, dev = kv_caches[0].shape[2], table.shape[1], state.device
-        live = (flags & _LIVE) > 0
-        verify = live & (held >= gamma)
-        n_q = torch.where(verify, held + 1, live.long())  # [n] queries; padding rows none
-        qo = torch.zeros(n + 1, dtype=torch.long, device=dev)
-        qo[1:] = torch.cumsum(n_q, 0)
-
-        # the step's tokens: row r's queries are tokens qo[r] .. qo[r + 1] - 1
-        row, local, total = ragged_fixed(n_q, t)
-        real = torch.arange(t, device=dev) < total
-        held_tok = chain[(local - 1).clamp(0, chain.shape[0] - 1), row]  # d_local
-        last_draft = chain[(held - 1).clamp(min=0), torch.arange(n, device=dev)]
-        draft_in = torch.where(held > 0, last_draft, x_id)  # a draft row's input token
-        tokens = torch.where(verify[row], torch.where(local == 0, x_id[row], held_tok),
-                             draft_in[row])  # fmt: skip
-        positions = torch.where(verify[row], x_pos[row] + local, x_pos[row] + held[row])
-        row_slot = torch.where(live, slot, 0)
-        block = (positions // ps).clamp(0, width - 1)
-        kv_slot = torch.where(real, table[row_slot[row], block].long() * ps + positions % ps, -1)
-        tokens, positions = torch.where(real, tokens, 0), torch.where(real, positions, 0)
-        self.pieces.inputs[t][:, :t].copy_(torch.stack([tokens, positions, kv_slot]))
-
-        # page lists: a row's last query sees x_n's position + d + 1 tokens either way
-        end = x_pos + held + 1
-        pages = torch.where(live, (end + ps - 1) // ps, 0)
-        last = torch.where(live, end - (pages - 1) * ps, 1).int()
-        head_end, n_top, tail_start = self.selector.layout(pages)
-        head_end = torch.where(verify, pages, head_end)  # verify rows: every page
-        n_top = torch.where(verify, 0, n_top)
-        tail_start = torch.where(verify, pages, tail_start)
-        counts = head_end + n_top + (pages - tail_start)
-        j = torch.arange(width, device=dev)[None, :]
-        middle_end = (head_end + n_top)[:, None]
-        logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
-                              torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
-        indptr, template = gather_lists(table, counts, logical, row_slot,
-                                       list_capacity(n, table, self._pool_pages))
+        ps, width = kv_caches[0].shape[2], table.shape[1]
+        inputs = self.pieces.inputs[t]
+        # tokens, positions and KV slots of every row's queries (a row verifies when it holds
+        # its draft length of drafts), and its page lists: all in one launch on a GPU
+        capacity = list_capacity(n, table, self._pool_pages)
+        rp = plan_rows(dict(slot=slot, flags=flags, gamma=gamma, held=held, x_id=x_id,
+                            x_pos=x_pos), chain, table, self._layout(width), ps, t, inputs,
+                       capacity, capacity if self.scoring else 0,
+                       fused=self.fused_rows)  # fmt: skip
+        qo, last, indptr = rp["qo"], rp["last"], rp["indptr"]
+        n_q, pages, end, verify, row_slot, live = rp["rows"]
         plan = self._plan(n, t, full=False)
         plan.load_rows(indptr, last, n_q, ps)
-        meta = PagedKVMeta(qo.int(), indptr, template, last, ps, fixed_plan=plan)
+        meta = PagedKVMeta(qo, indptr, rp["indices"], last, ps, fixed_plan=plan)
         choice = None
         if self.selector.uses_scores:
             first = int(self.selector.cfg.keep_sink_page)
-            rows = torch.stack([row_slot, tail_start - head_end, n_top,
-                                indptr[:-1].long() + head_end]).int()  # fmt: skip
-            choice = (template, rows, first, width - first)
+            choice = (rp["indices"], rp["choose"], first, width - first)
             meta.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
 
         layers, lr, sg = self.model.layers, self.refresh_layer, self.step_graphs
@@ -195,42 +173,37 @@ class AsyncStepGraphs:
             hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
-            full_indptr, full_indices = gather_lists(table, pages, j.expand(n, -1), row_slot,
-                                                     list_capacity(n, table, self._pool_pages))
             full_plan = self._plan(n, t, full=True)
-            full_plan.load_rows(full_indptr, last, n_q, ps)
-            full = PagedKVMeta(qo.int(), full_indptr, full_indices, last, ps,
+            full_plan.load_rows(rp["full_indptr"], last, n_q, ps)
+            full = PagedKVMeta(qo, rp["full_indptr"], rp["full_indices"], last, ps,
                                fixed_plan=full_plan)  # fmt: skip
             scale = layers[lr].self_attn.scale
             p = self.pieces
             out, lse = p.backend.attention(p.q[:t], kv_caches[lr], full, scale, return_lse=True)
             p.attn_out[:t].copy_(out)
-            first_q, last_q = qo[:-1].clamp(max=t - 1), (qo[1:] - 1).clamp(0, t - 1)
+            bounds = qo.long()
+            first_q, last_q = bounds[:-1].clamp(max=t - 1), (bounds[1:] - 1).clamp(0, t - 1)
+            live_rows, verify_rows = live > 0, verify > 0
             rescore_first_last(p.backend, p.q[:t], lse, kv_caches[lr], scale, table,
-                               self.scores, first_q, last_q, positions[first_q] + 1, end,
-                               live, slot, row_slot, self._pool_pages,
-                               single=~verify)  # fmt: skip
-            post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live), last, ps,
-                               fixed_plan=plan)  # fmt: skip
-            flags.bitwise_or_(live.long() * _SCORED)
+                               self.scores, first_q, last_q, inputs[1][first_q] + 1, end,
+                               live_rows, slot, row_slot, self._pool_pages,
+                               single=~verify_rows)  # fmt: skip
+            post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live_rows), last,
+                               ps, fixed_plan=plan)  # fmt: skip
+            flags.bitwise_or_(live * _SCORED)
             hidden = sg.layers(t, lr + 1, len(layers), post, kv_caches)
         argmax = self.model.greedy_tokens(hidden)  # [t]
-
         # draft rows: the argmax joins their drafts; verify rows: the accepted prefix
-        draft = live & ~verify
-        at = qo[:-1].clamp(max=t - 1)
-        cols = torch.arange(n, device=dev)
-        d_at = held.clamp(max=chain.shape[0] - 1)
-        chain[d_at, cols] = torch.where(draft, argmax[at], chain[d_at, cols])
-        k = torch.arange(self.max_q, device=dev)
-        idx = (qo[:-1, None] + k[None, :]).clamp(max=t - 1)  # [n, max_q] a row's tokens
-        match = (argmax[idx[:, :-1]] == tokens[idx[:, 1:]]) & (k[None, :-1] < n_q[:, None] - 1)
-        accepted = match.long().cumprod(dim=1).sum(dim=1)
-        bonus = argmax[idx.gather(1, accepted[:, None])[:, 0]]
-        x_id.copy_(torch.where(verify, bonus, x_id))
-        x_pos.add_(torch.where(verify, accepted + 1, 0))
-        held.copy_(torch.where(verify, 0, held + draft.long()))
+        accept_rows(argmax, inputs[0, :t], qo, rp["rows"], x_id, x_pos, x_pos, chain, held,
+                    fused=self.fused_rows)  # fmt: skip
         return argmax
+
+    def _layout(self, width: int) -> torch.Tensor:
+        """The policy's list layout by page count (``step_rows.policy_layout``), made before
+        the first capture at this width."""
+        if self._layouts is None or self._layouts.shape[1] != width + 1:
+            self._layouts = policy_layout(self.selector, width, self.pieces.device)
+        return self._layouts
 
     def _choose(self, choice, has_scores: torch.Tensor) -> torch.Tensor:
         template, rows, first, max_candidates = choice

@@ -7,8 +7,9 @@ input token) and the device tables (pages, page scores), so one graph per bucket
 the whole step, its planning included:
 
     plan     KV slots and page counts from the positions; the full and sparse page lists (the
-             policy's ``layout``, the top-k middle chosen from the score table); the attention
-             and scoring work lists (``kernels/device_plan.py``, fixed capacities)
+             policy's ``layout``; ``step_rows.plan_rows``, one launch on a GPU), the top-k
+             middle chosen from the score table; the attention and scoring work lists
+             (``kernels/device_plan.py``, fixed capacities)
     layers   before the refresh layer l_r: sparse lists
     l_r      refresh while drafting (scored policies): full lists, page scores into the score
              table, the middles re-chosen from them; otherwise sparse lists
@@ -50,8 +51,9 @@ from .draft_pages import (
     sync_tables,
 )
 from .page_selector import PageSelector
-from .page_table import PageTable, gather_lists, list_capacity
+from .page_table import PageTable, list_capacity
 from .step_graphs import StepGraphs
+from .step_rows import plan_rows, policy_layout
 from .verify_graphs import VerifyGraphs
 
 if TYPE_CHECKING:
@@ -67,13 +69,14 @@ class DraftStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
                  max_rows: int, stream: Stream = Stream.DRAFT,
-                 max_steps: int = 0) -> None:  # fmt: skip
+                 max_steps: int = 0, fused_rows: bool = True) -> None:  # fmt: skip
         """refresh: the refresh layer attends to full lists and rescores (refresh while
         drafting with a scored policy); max_rows: the most rows of a chain; stream: the random
         stream sampled rows draw from (drafts; the target's for ar's decode chains);
         max_steps: the longest chain whose verification replays a graph (``run_rounds``; 0:
-        none)."""
-        self.stream = stream
+        none); fused_rows: rows planned (and rounds accepted) in one launch each
+        (``step_rows``)."""
+        self.stream, self.fused_rows = stream, fused_rows
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
@@ -93,6 +96,7 @@ class DraftStepGraphs:
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
         self._key = None
         self._pool_pages = 0
+        self._layouts: torch.Tensor | None = None  # int32 [3, W + 1]: policy_layout
         self.steps = 0  # draft steps replayed
         # greedy rounds (run_rounds): the request of each row of the state on the device (None:
         # padding or a row that stopped), the next plan's first round if started early
@@ -164,6 +168,7 @@ class DraftStepGraphs:
                 self.start[n] = torch.zeros(2, n, dtype=torch.int64, device=p.device)
                 self.chain[n] = torch.zeros(max(self.max_steps, 1), n, dtype=torch.int64,
                                             device=p.device)  # fmt: skip
+            self._layout(self.page_table.table.shape[1])
             fn = lambda: self._step(n, variant, kv_caches)  # noqa: E731
             graph, _ = p.capture_idle(fn, [self.state[n]])
         self.graphs[n, variant] = graph
@@ -171,33 +176,22 @@ class DraftStepGraphs:
     # ---- the captured step ---------------------------------------------------------------------
     def _step(self, n: int, variant, kv_caches: list[torch.Tensor]) -> None:
         state = self.state[n]
-        ps, dev = kv_caches[0].shape[2], state.device
+        ps = kv_caches[0].shape[2]
         ids, pos, slot, flags, top_k, seed = state
         table = self.page_table.table  # int32 [slots, W]
-        live = (flags & _LIVE) > 0
-        row_slot = torch.where(live, slot, 0)
-        pages = torch.where(live, pos // ps + 1, 0)  # [n] pages after this step's token
-        last = torch.where(live, pos + 1 - (pages - 1) * ps, 1).int()
-        block = (pos // ps).clamp(max=table.shape[1] - 1)
-        kv_slot = torch.where(live, table[row_slot, block].long() * ps + pos % ps, -1)
-        self.pieces.inputs[n][:, :n].copy_(torch.stack([ids, pos, kv_slot]))
-
-        head_end, n_top, tail_start = self.selector.layout(pages)
-        counts = head_end + n_top + (pages - tail_start)
-        k_max = self.selector.budget(table.shape[1])
-        j = torch.arange(k_max, device=dev)[None, :]
-        middle_end = (head_end + n_top)[:, None]
-        logical = torch.where(j >= middle_end, j - middle_end + tail_start[:, None],
-                              torch.minimum(j, (pages - 1).clamp(min=0)[:, None]))  # fmt: skip
-        sparse_indptr, template = gather_lists(table, counts, logical, row_slot,
-                                               self._capacity(n, False))  # fmt: skip
-        sparse = self._meta(n, sparse_indptr, template, last, ps, full=False)
+        # the rows' tokens, KV slots and page lists (sparse; full ones for the refresh layer):
+        # one launch on a GPU
+        rp = plan_rows(dict(slot=slot, flags=flags, x_id=ids, x_pos=pos), self.chain[n], table,
+                       self._layout(table.shape[1]), ps, n, self.pieces.inputs[n],
+                       self._capacity(n, False),
+                       self._capacity(n, True) if self.refresh else 0, queries=1,
+                       fused=self.fused_rows)  # fmt: skip
+        last = rp["last"]
+        sparse = self._meta(n, rp["qo"], rp["indptr"], rp["indices"], last, ps, full=False)
         choice = None
         if self.selector.uses_scores:
             first = int(self.selector.cfg.keep_sink_page)
-            rows = torch.stack([row_slot, tail_start - head_end, n_top,
-                                sparse_indptr[:-1].long() + head_end]).int()  # fmt: skip
-            choice = (template, rows, first, self.page_table.width - first)
+            choice = (rp["indices"], rp["choose"], first, self.page_table.width - first)
             sparse.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
 
         layers, lr = self.model.layers, self.refresh_layer
@@ -206,19 +200,18 @@ class DraftStepGraphs:
             hidden = self.step_graphs.layers(n, 0, len(layers), sparse, kv_caches)
         else:
             self.step_graphs.layers(n, 0, lr, sparse, kv_caches)
-            j_full = torch.arange(table.shape[1], device=dev)[None, :]
-            full_indptr, full_indices = gather_lists(table, pages, j_full.expand(n, -1),
-                                                     row_slot, self._capacity(n, full=True))
-            full = self._meta(n, full_indptr, full_indices, last, ps, full=True)
+            full = self._meta(n, rp["qo"], rp["full_indptr"], rp["full_indices"], last, ps,
+                              full=True)  # fmt: skip
             scale = layers[lr].self_attn.scale
             out, lse = self.pieces.backend.attention(q, kv_caches[lr], full, scale,
                                                      return_lse=True)  # fmt: skip
             attn_out.copy_(out)
-            self._rescore(q, lse, kv_caches[lr], full, scale, pages, live, slot)
+            live = rp["rows"][5] > 0
+            self._rescore(q, lse, kv_caches[lr], full, scale, rp["rows"][1], live, slot)
             post = PagedKVMeta(sparse.qo_indptr, sparse.kv_indptr,
                                self._choose(choice, live) if choice else sparse.kv_indices,
                                sparse.kv_last_page_len, ps, fixed_plan=sparse.fixed_plan)
-            flags.bitwise_or_(live.long() * _SCORED)
+            flags.bitwise_or_(rp["rows"][5] * _SCORED)
             hidden = self.step_graphs.layers(n, lr + 1, len(layers), post, kv_caches)
         if variant is None:
             tokens = self.model.greedy_tokens(hidden)
@@ -233,12 +226,18 @@ class DraftStepGraphs:
         ids.copy_(tokens)
         pos.add_(1)
 
-    def _meta(self, n: int, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
-              ps: int, full: bool) -> PagedKVMeta:  # fmt: skip
+    def _meta(self, n: int, qo: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+              last: torch.Tensor, ps: int, full: bool) -> PagedKVMeta:  # fmt: skip
         plan = self._plan(n, full)
         plan.load_decode(indptr, last, ps)
-        qo = torch.arange(n + 1, dtype=torch.int32, device=indptr.device)
         return PagedKVMeta(qo, indptr, indices, last, ps, fixed_plan=plan)
+
+    def _layout(self, width: int) -> torch.Tensor:
+        """The policy's list layout by page count (``step_rows.policy_layout``), made before
+        the first capture at this width; the verification's graphs share it."""
+        if self._layouts is None or self._layouts.shape[1] != width + 1:
+            self._layouts = policy_layout(self.selector, width, self.pieces.device)
+        return self._layouts
 
     def _choose(self, choice, has_scores: torch.Tensor) -> torch.Tensor:
         template, rows, first, max_candidates = choice

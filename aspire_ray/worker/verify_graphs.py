@@ -9,8 +9,9 @@ bucket n, q) that plans itself from the draft graphs' device state (``DraftStepG
 row's slot and flags; the round's start token and position, copied before the chain; the
 chain's drafts, copied after each draft step):
 
-    plan     tokens [n, q], positions, KV slots; every row's full page list; the attention work
-             of rows of q queries (``device_plan.decode_attention_items``), as the host plans it
+    plan     tokens [n, q], positions, KV slots; every row's full page list (``step_rows``,
+             one launch on a GPU); the attention work of rows of q queries
+             (``device_plan.decode_attention_items``), as the host plans it
     layers   full lists; with a scored policy the refresh layer also scores pages from each
              row's first and last query, their mean replacing the row's scores (DESIGN.md §1.2,
              as ``StepBatch._plan_scoring`` plans a verify row)
@@ -31,12 +32,13 @@ import torch
 from aspire_ray.kernels.metadata import PagedKVMeta
 
 from .draft_pages import rescore_first_last
-from .page_table import gather_lists, list_capacity
+from .page_table import list_capacity
+from .step_rows import accept_rows, plan_rows
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
 
-_LIVE, _SCORED = 1, 2  # DraftStepGraphs' row flag bits
+_SCORED = 2  # DraftStepGraphs' row flag bit: the request has page scores
 
 
 class VerifyGraphs:
@@ -94,30 +96,19 @@ class VerifyGraphs:
         d, p = self.drafts, self.pieces
         ids, pos, slot, flags = d.state[n][:4]
         start_ids, start_pos = d.start[n]
-        table, dev = d.page_table.table, start_pos.device  # int32 [slots, W]
-        ps, width = kv_caches[0].shape[2], table.shape[1]
-        live = (flags & _LIVE) > 0
-        row_slot = torch.where(live, slot, 0)
-        tokens = torch.cat([start_ids[:, None], d.chain[n][: q - 1].T], dim=1)  # [n, q]
-        positions = start_pos[:, None] + torch.arange(q, device=dev)  # [n, q]
-        block = (positions // ps).clamp(max=width - 1)
-        kv_slot = torch.where(live[:, None], table[row_slot[:, None], block].long() * ps
-                              + positions % ps, -1)  # fmt: skip
+        table, chain = d.page_table.table, d.chain[n]  # int32 [slots, W]; int64 [D, n]
+        ps = kv_caches[0].shape[2]
         inputs = p.inputs[t]
-        inputs[:, : n * q].copy_(torch.stack([tokens.flatten(), positions.flatten(),
-                                              kv_slot.flatten()]))  # fmt: skip
-        inputs[2, n * q : t].fill_(-1)  # the token bucket's padding: no KV
-
-        end = start_pos + q  # tokens visible to a row's last query
-        pages = torch.where(live, (end + ps - 1) // ps, 0)
-        last = torch.where(live, end - (pages - 1) * ps, 1).int()
-        j = torch.arange(width, device=dev)[None, :]
-        indptr, indices = gather_lists(table, pages, j.expand(n, -1), row_slot,
-                                       list_capacity(n, table, d._pool_pages))
+        # row r's tokens [x, d_1 .. d_k] (r * q ..), positions, KV slots and full page list:
+        # one launch on a GPU
+        rp = plan_rows(dict(slot=slot, flags=flags, x_id=start_ids, x_pos=start_pos), chain,
+                       table, d._layout(table.shape[1]), ps, t, inputs,
+                       list_capacity(n, table, d._pool_pages), queries=q,
+                       verify_all=True, fused=d.fused_rows)  # fmt: skip
+        qo, last, rows = rp["qo"], rp["last"], rp["rows"]
         plan = self._plan(n, q)
-        plan.load_decode(indptr, last, ps, q)
-        qo = torch.arange(n + 1, dtype=torch.int32, device=dev) * q
-        meta = PagedKVMeta(qo, indptr, indices, last, ps, fixed_plan=plan)
+        plan.load_decode(rp["indptr"], last, ps, q)
+        meta = PagedKVMeta(qo, rp["indptr"], rp["indices"], last, ps, fixed_plan=plan)
 
         layers, lr = self.model.layers, d.refresh_layer
         if not self.score:
@@ -127,14 +118,14 @@ class VerifyGraphs:
             scale = layers[lr].self_attn.scale
             out, lse = p.backend.attention(p.q[:t], kv_caches[lr], meta, scale, return_lse=True)
             p.attn_out[:t].copy_(out)
-            self._rescore(n, q, lse, kv_caches[lr], scale, start_pos, live, slot, row_slot)
-            flags.bitwise_or_(live.long() * _SCORED)
+            self._rescore(n, q, lse, kv_caches[lr], scale, start_pos, rows[5] > 0, slot,
+                          rows[4])  # fmt: skip
+            flags.bitwise_or_(rows[5] * _SCORED)
             hidden = d.step_graphs.layers(t, lr + 1, len(layers), meta, kv_caches)
-        argmax = self.model.greedy_tokens(hidden[: n * q]).view(n, q)
-        accepted = (argmax[:, :-1] == tokens[:, 1:]).long().cumprod(dim=1).sum(dim=1)
-        ids.copy_(torch.where(live, argmax.gather(1, accepted[:, None])[:, 0], ids))
-        pos.copy_(torch.where(live, start_pos + accepted + 1, pos))
-        return argmax
+        argmax = self.model.greedy_tokens(hidden[: n * q])
+        accept_rows(argmax, inputs[0, : n * q], qo, rows, ids, pos, start_pos, chain,
+                    fused=d.fused_rows)  # fmt: skip
+        return argmax.view(n, q)
 
     def _rescore(self, n: int, q: int, lse: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                  start_pos: torch.Tensor, live: torch.Tensor, slot: torch.Tensor,

@@ -135,14 +135,16 @@ class Worker:
         if not spec.speculative:
             return None if spec.ar_chain == 1 else DraftStepGraphs(
                 self.step_graphs, FullPages(spec), self.refresh_layer, False, self.page_table,
-                None, rows, stream=Stream.TARGET)  # fmt: skip
+                None, rows, stream=Stream.TARGET,
+                fused_rows=self.cfg.fused_row_planning)  # fmt: skip
         if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
         # a round's verification replays a graph too (greedy rounds: their chains carry it)
         max_steps = spec.max_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
-                               self.page_table, self.scores, rows, max_steps=max_steps)
+                               self.page_table, self.scores, rows, max_steps=max_steps,
+                               fused_rows=self.cfg.fused_row_planning)  # fmt: skip
 
     def _async_graphs(self) -> AsyncStepGraphs | None:
         """Self-planning graphs of asynchronous runs (``aspire``, ``aspire_fsm``): a page
@@ -155,7 +157,7 @@ class Worker:
             return None
         return AsyncStepGraphs(self.step_graphs, self.selector, self.refresh_layer,
                                self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
-                               spec.max_drafts)  # fmt: skip
+                               spec.max_drafts, self.cfg.fused_row_planning)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
