@@ -34,6 +34,13 @@ class AttentionConfig:
     # run on their own CUDA streams, side by side: one after another, the draft rows' short
     # launch leaves most SMs idle while it drains (docs/benchmarks.md §8.23)
     concurrent_launches: bool = True
+    # Register caps of the attention programs (ptxas's maxnreg; None: the compiler's choice)
+    # for query tiles below 64 rows (decode and draft rows) and for wider ones (verify rows,
+    # prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row
+    # tile takes 143 of them (3 programs an SM) and fits in 96 without spills (5), a 64-row
+    # tile 235 (2) and fits in 168 (3) (ptxas -v on the sm_90a build; docs/benchmarks.md §8.23).
+    max_registers: int | None = None
+    wide_max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m_min", "block_m_max", "block_n"):
@@ -46,6 +53,10 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+        for name in ("max_registers", "wide_max_registers"):
+            value = getattr(self, name)
+            if value is not None and not 24 <= value <= 255:
+                raise ValueError(f"{name} must be in [24, 255] registers, got {value}")
         if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
             raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
 

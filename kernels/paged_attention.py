@@ -275,6 +275,13 @@ def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
     return streams[:n]
 
 
+def register_cap(config: AttentionConfig, block_m: int) -> dict:
+    """The launch option capping an attention program's registers for its query tile (none
+    under the interpreter, which compiles nothing)."""
+    cap = config.wide_max_registers if block_m >= 64 else config.max_registers
+    return {} if cap is None or interpreting() else {"maxnreg": cap}
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _CPU_SMS
@@ -602,6 +609,7 @@ def paged_attention(
             BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
             DOT_PRECISION=precision, UPCAST=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
+            **register_cap(config, block_m),
         )  # fmt: skip
 
     side_by_side(plan.launches, launch_attention, q.device, config.concurrent_launches)

@@ -54,6 +54,11 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "merge_h16_s8": {"merge_head_block": 16, "merge_split_block": 8},
     # a mixed step's two launches one after another instead of side by side
     "serial": {"concurrent_launches": False},
+    # register caps: more programs resident on an SM (AttentionConfig.max_registers)
+    "regs128": {"max_registers": 128},
+    "regs96": {"max_registers": 96},
+    "wide168": {"wide_max_registers": 168},
+    "regs96_wide168": {"max_registers": 96, "wide_max_registers": 168},
 }
 
 

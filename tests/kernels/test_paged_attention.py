@@ -235,15 +235,20 @@ def test_gpu_grid(dtype, heads, case):
     check(q, kv, meta, dtype)
 
 
+def _mixed_case(q_lens: list[int], dtype, seed: int):
+    """A mixed step of Qwen2.5-0.5B's heads: rows of these query counts over 100-3000 KV
+    tokens each -> q, kv, meta."""
+    kv_lens = [random.Random(i).randint(100, 3000) for i in range(len(q_lens))]
+    return make_case(q_lens, kv_lens, (14, 2, 64), dtype, seed=seed)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_launches_side_by_side_equal_one_after_another(dtype):
     # A mixed step's draft rows (16-row tiles) and verify rows (64-row tiles) are two launches,
     # run on two streams by default: bit for bit the serial result, eagerly and in a CUDA graph.
-    q_lens = [1] * 40 + [6] * 12 + [1] * 12
-    kv_lens = [random.Random(i).randint(100, 3000) for i in range(len(q_lens))]
-    q, kv, meta = make_case(q_lens, kv_lens, (14, 2, 64), dtype, seed=3)
+    q, kv, meta = _mixed_case([1] * 40 + [6] * 12 + [1] * 12, dtype, seed=3)
     serial = AttentionConfig(concurrent_launches=False)
     assert len(_plan(meta, 7, 2, DEFAULT_CONFIG).launches) == 2
     want, want_lse = paged_attention(q, kv, meta, 0.125, return_lse=True, config=serial)
@@ -257,3 +262,23 @@ def test_launches_side_by_side_equal_one_after_another(dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want)
+
+
+def test_register_caps_are_checked():
+    with pytest.raises(ValueError, match="max_registers"):
+        AttentionConfig(max_registers=300)
+    with pytest.raises(ValueError, match="wide_max_registers"):
+        AttentionConfig(wide_max_registers=8)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_register_caps_keep_every_bit(dtype):
+    # ptxas allocates registers, it does not change the arithmetic: capped programs (more of
+    # them resident on an SM) give the uncapped result bit for bit, decode and verify tiles
+    q, kv, meta = _mixed_case([1] * 40 + [6] * 12 + [9] * 4, dtype, seed=4)
+    want, want_lse = paged_attention(q, kv, meta, 0.125, return_lse=True)
+    capped = AttentionConfig(max_registers=96, wide_max_registers=168)
+    out, lse = paged_attention(q, kv, meta, 0.125, return_lse=True, config=capped)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
