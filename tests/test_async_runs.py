@@ -200,3 +200,14 @@ def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
     graphs = w.async_graphs
     assert graphs.runs_started >= 4 and graphs.runs_continued >= 2, \
         (graphs.runs_started, graphs.runs_continued)  # fmt: skip
+
+
+def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
+    # a batch shrinks as its requests finish: each smaller row bucket's graphs are captured at
+    # start-up, not inside a running batch's steps (with their kernels' compiles on a GPU)
+    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
+    graphs = use_eager_graphs(engine).async_graphs
+    graphs.capture_all(3, engine.executor.worker.kv_caches)
+    assert {n for n, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
+    assert all(n <= t <= n * graphs.max_q for n, t in graphs.graphs)
+    assert {t for n, t in graphs.graphs if n == 4} == {4, 8, 16}

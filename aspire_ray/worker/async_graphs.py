@@ -122,14 +122,18 @@ class AsyncStepGraphs:
         self.graphs[n, t], self.argmax[n, t] = graph, out
 
     def capture_all(self, rows: int, kv_caches: list[torch.Tensor]) -> None:
-        """The graphs of ``rows`` rows at every token bucket they may fill (others: on first
-        use)."""
-        n = next((b for b in self.row_buckets if b >= rows), None)
-        if n is None:
+        """The graphs of every row bucket up to ``rows`` rows at every token bucket its runs
+        may fill, largest first. A batch shrinks as its requests finish, and a graph captured
+        on first use costs its capture, and on a process's first use of a row bucket the
+        compiles of its kernel variants (~1 s each), inside a running batch's steps
+        (docs/benchmarks.md §8.23: the first ``aspire`` mode of a benchmark run)."""
+        top = next((b for b in self.row_buckets if b >= rows), None)
+        if top is None:
             return
-        for t in reversed(self.pieces.buckets):
-            if n <= t <= n * self.max_q:
-                self.ensure(n, t, kv_caches)
+        for n in reversed([b for b in self.row_buckets if b <= top]):
+            for t in reversed(self.pieces.buckets):
+                if n <= t <= n * self.max_q:
+                    self.ensure(n, t, kv_caches)
 
     def _plan(self, n: int, t: int, full: bool) -> FixedPlan:
         if (n, t, full) not in self.plans:
