@@ -61,6 +61,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "seqattn": {"attention_options": {"concurrent_launches": False}},
     # the self-planning graphs' rows planned by tensor ops, not one launch (kernels/row_plan.py)
     "torchplan": {"fused_row_planning": False},
+    # the attention's register caps (more programs resident on an SM; docs/benchmarks.md §8.23)
+    "regs": {"attention_options": {"max_registers": 96, "wide_max_registers": 168}},
 }
 
 
