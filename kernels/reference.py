@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .device_plan import score_items
 from .metadata import PagedKVMeta
 
 # Queries per block in the reference: bounds the [Hq, block, kv_len] score matrix on the CPU.
@@ -317,3 +318,64 @@ def accept_rows_ref(argmax: torch.Tensor, tokens: torch.Tensor, qo: torch.Tensor
         held.copy_(torch.where(verify, 0, held + draft.long()))
     x_id.copy_(torch.where(verify, bonus, x_id))
     x_pos.copy_(torch.where(verify, start_pos + accepted + 1, x_pos))
+
+
+def score_lists_ref(first: torch.Tensor | None, last: torch.Tensor | None,
+                    seen_first: torch.Tensor, seen_last: torch.Tensor, live: torch.Tensor,
+                    single: torch.Tensor | None, row_slot: torch.Tensor, table: torch.Tensor,
+                    page_size: int, capacity: int, per_item: int,
+                    item_capacity: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The refresh layer's scoring queries of n rows and their page lists (DESIGN.md §1.2: a
+    row is scored from its first and last query; ``kernels/row_plan.py`` is one launch of this).
+
+    Query 2r + k (k = 0: row r's first query, token first[r], seeing seen_first[r] KV tokens;
+    k = 1: its last, token last[r], seeing seen_last[r]) lists the pages it sees of page-table
+    row row_slot[r]. A row that is not ``live`` lists none, nor does the second query of a
+    ``single`` row (a row of one query: draft rows read the KV once). first = last = None: row
+    r's one query is token r (every row single). first, last, seen_*, row_slot: int64 [n];
+    live, single: bool [n]; table: int32 [slots, W].
+
+    -> which int64 [2n] (each query's token), pages int64 [2n], and the scoring kernel's
+    metadata and work: qo int32 [2n + 1] (one query a row), indptr int32 [2n + 1], indices
+    int32 [capacity] (0 past the lists), last int32 [2n], work int32 [2, item_capacity] (row,
+    first listed token, per ``per_item`` tokens of each list; ``device_plan.score_items``)
+    and count int32 [1] (work past it is not read)."""
+    n, dev, ps = live.shape[0], live.device, page_size
+    if first is None:
+        first = last = torch.arange(n, device=dev)
+        single = torch.ones_like(live)
+    which = torch.stack([first, last], dim=1).flatten()
+    seen = torch.stack([seen_first, seen_last], dim=1).flatten()
+    live2 = live.repeat_interleave(2)
+    if single is not None:  # a single row's second query: no page, no work
+        live2 = live2 & ~torch.stack([torch.zeros_like(single), single], dim=1).flatten()
+    pages = torch.where(live2, (seen + ps - 1) // ps, 0)
+    last_len = torch.where(live2, seen - (pages - 1) * ps, 1).int()
+    j = torch.arange(table.shape[1], device=dev)[None, :]
+    indptr, indices = gather_lists_ref(table, pages, j.expand(2 * n, -1),
+                                       row_slot.repeat_interleave(2), capacity)  # fmt: skip
+    work, count = score_items(indptr, ps, per_item, item_capacity)
+    return {"which": which, "pages": pages, "last": last_len, "indptr": indptr,
+            "indices": indices, "qo": torch.arange(2 * n + 1, dtype=torch.int32, device=dev),
+            "work": work.int(), "count": count.int()}  # fmt: skip
+
+
+def store_row_scores_ref(page_scores: torch.Tensor, indptr: torch.Tensor, pages: torch.Tensor,
+                         live: torch.Tensor, single: torch.Tensor | bool | None,
+                         slot: torch.Tensor, scores: torch.Tensor) -> None:  # fmt: skip
+    """Each live row's page scores replace its slot's row of the score table (float32
+    [slots + 1, S]; padding rows write the last row, a scratch row): per page, the mean of its
+    two scoring queries' scores (``score_lists_ref``; sum, then divide), or its first query's
+    alone where ``single`` (a bool [n]; True: every row; None: no row); 0 past a query's pages.
+    page_scores: float32 [>= indptr[-1]] per listed page (``page_scores``); indptr int32
+    [2n + 1] and pages int64 [2n] (``score_lists_ref``); live bool [n]; slot int64 [n]."""
+    n, width = live.shape[0], scores.shape[1]
+    j = torch.arange(width, device=live.device)[None, :]
+    at = (indptr[:-1, None].long() + j).clamp(max=page_scores.shape[0] - 1)
+    per_query = torch.where(j < pages[:, None], page_scores[at], 0.0).view(n, 2, -1)
+    rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
+    if single is True:
+        rows = per_query[:, 0]
+    elif single is not None:
+        rows = torch.where(single[:, None], per_query[:, 0], rows)
+    scores.index_copy_(0, torch.where(live, slot, scores.shape[0] - 1), rows)

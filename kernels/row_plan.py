@@ -257,3 +257,153 @@ def accept_rows(argmax: torch.Tensor, tokens: torch.Tensor, qo: torch.Tensor,
         HAS_HELD=held is not None, MAX_Q=chain.shape[0] + 1,
         R_BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n", "width", "capacity", "item_capacity"])
+def _score_lists_kernel(
+    first_ptr, last_ptr, seen_first_ptr, seen_last_ptr, live_ptr, single_ptr, row_slot_ptr,
+    table_ptr, table_stride, width, which_ptr, pages_ptr, last_len_ptr, qo_ptr, indptr_ptr,
+    indices_ptr, capacity, work_ptr, count_ptr, item_capacity, n,
+    PAGE_SIZE: tl.constexpr, PER_ITEM: tl.constexpr, IDENTITY: tl.constexpr,
+    HAS_SINGLE: tl.constexpr, V_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    v = tl.program_id(0)  # query 2r + k of row r
+    u = tl.arange(0, V_BLOCK)
+    u_ok = u < 2 * n
+    row, second = u // 2, (u % 2) == 1
+    seen = tl.where(second, tl.load(seen_last_ptr + row, mask=u_ok, other=0),
+                    tl.load(seen_first_ptr + row, mask=u_ok, other=0))  # fmt: skip
+    live = tl.load(live_ptr + row, mask=u_ok, other=0) != 0
+    if IDENTITY:  # one query a row: every second query lists nothing
+        live = live & ~second
+    elif HAS_SINGLE:
+        live = live & ~(second & (tl.load(single_ptr + row, mask=u_ok, other=0) != 0))
+    pages = tl.where(live, (seen + PAGE_SIZE - 1) // PAGE_SIZE, 0)
+    items = (pages * PAGE_SIZE + PER_ITEM - 1) // PER_ITEM
+    before = u_ok & (u < v)
+    l_start = tl.sum(tl.where(before, pages, 0), axis=0)
+    i_start = tl.sum(tl.where(before, items, 0), axis=0)
+    v_pages, v_items = _pick(pages, u, v), _pick(items, u, v)
+    v_seen, v_live = _pick(seen, u, v), _pick(live.to(tl.int64), u, v)
+    r, k = v // 2, v % 2
+    if IDENTITY:
+        token = r.to(tl.int64)
+    else:
+        token = tl.where(k == 1, tl.load(last_ptr + r), tl.load(first_ptr + r))
+    if v == 0:
+        tl.store(qo_ptr, 0)
+        tl.store(indptr_ptr, 0)
+    tl.store(which_ptr + v, token)
+    tl.store(pages_ptr + v, v_pages)
+    tl.store(last_len_ptr + v, tl.where(v_live != 0, v_seen - (v_pages - 1) * PAGE_SIZE, 1)
+             .to(tl.int32))  # fmt: skip
+    tl.store(qo_ptr + v + 1, v + 1)
+    tl.store(indptr_ptr + v + 1, (l_start + v_pages).to(tl.int32))
+    slot = tl.load(row_slot_ptr + r)
+    for j0 in range(0, v_pages, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        j_ok = j < v_pages
+        page = tl.load(table_ptr + slot * table_stride + tl.minimum(j, width - 1), mask=j_ok,
+                       other=0)  # fmt: skip
+        tl.store(indices_ptr + l_start + j, page, mask=j_ok & (l_start + j < capacity))
+    for i0 in range(0, v_items, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        i_ok = (i < v_items) & (i_start + i < item_capacity)
+        tl.store(work_ptr + i_start + i, tl.zeros([BLOCK], tl.int32) + v, mask=i_ok)
+        tl.store(work_ptr + item_capacity + i_start + i, (i * PER_ITEM).to(tl.int32), mask=i_ok)
+    if v == 2 * n - 1:
+        tl.store(count_ptr, (i_start + v_items).to(tl.int32))
+
+
+def score_lists(first: torch.Tensor | None, last: torch.Tensor | None,
+                seen_first: torch.Tensor, seen_last: torch.Tensor, live: torch.Tensor,
+                single: torch.Tensor | None, row_slot: torch.Tensor, table: torch.Tensor,
+                page_size: int, capacity: int, per_item: int,
+                item_capacity: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``reference.score_lists_ref`` in one launch (and the lists' zero fill)."""
+    n, dev = live.shape[0], live.device
+    named = [("seen_first", seen_first), ("seen_last", seen_last), ("row_slot", row_slot)]
+    named += [] if first is None else [("first", first), ("last", last)]
+    for name, t in named:
+        if t.dtype != torch.int64 or t.shape != (n,):
+            raise ValueError(f"{name} must be int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+    if table.dtype != torch.int32 or table.stride(1) != 1 or per_item % page_size:
+        raise ValueError(f"table must be int32 with contiguous rows and per_item a multiple "
+                         f"of the page size, got {table.dtype} and {per_item}")  # fmt: skip
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = {
+        "which": torch.empty(2 * n, dtype=torch.int64, device=dev),
+        "pages": torch.empty(2 * n, dtype=torch.int64, device=dev),
+        "last": torch.empty(2 * n, **i32), "qo": torch.empty(2 * n + 1, **i32),
+        "indptr": torch.empty(2 * n + 1, **i32), "indices": torch.zeros(capacity, **i32),
+        "work": torch.empty(2, item_capacity, **i32), "count": torch.empty(1, **i32),
+    }  # fmt: skip
+    if n == 0:
+        out["qo"].zero_(), out["indptr"].zero_(), out["count"].zero_()
+        return out
+    identity = first is None
+    live, single = _bytes(live), None if single is None else _bytes(single)
+    _score_lists_kernel[(2 * n,)](
+        seen_first if identity else first, seen_first if identity else last, seen_first,
+        seen_last, live, live if single is None else single, row_slot, table, table.stride(0),
+        table.shape[1], out["which"], out["pages"], out["last"], out["qo"], out["indptr"],
+        out["indices"], capacity, out["work"], out["count"], item_capacity, n,
+        PAGE_SIZE=page_size, PER_ITEM=per_item, IDENTITY=identity,
+        HAS_SINGLE=single is not None, V_BLOCK=max(16, triton.next_power_of_2(2 * n)),
+        BLOCK=max(16, min(1024, triton.next_power_of_2(max(1, table.shape[1])))), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["width", "cap", "scratch"])
+def _store_row_scores_kernel(
+    page_scores_ptr, indptr_ptr, pages_ptr, live_ptr, single_ptr, slot_ptr, scores_ptr,
+    scores_stride, width, cap, scratch, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    live = tl.load(live_ptr + r) != 0
+    dest = tl.where(live, tl.load(slot_ptr + r), scratch).to(tl.int64)
+    one = False  # the row's first query alone (SINGLE 1: every row; 2: per row)
+    if SINGLE == 2:
+        one = tl.load(single_ptr + r) != 0
+    a_start = tl.load(indptr_ptr + 2 * r).to(tl.int64)
+    b_start = tl.load(indptr_ptr + 2 * r + 1).to(tl.int64)
+    a_pages = tl.load(pages_ptr + 2 * r)
+    b_pages = tl.load(pages_ptr + 2 * r + 1)
+    for j0 in range(0, width, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        a_ok, b_ok = j < a_pages, j < b_pages
+        a = tl.load(page_scores_ptr + tl.minimum(a_start + j, cap - 1), mask=a_ok, other=0.0)
+        b = tl.load(page_scores_ptr + tl.minimum(b_start + j, cap - 1), mask=b_ok, other=0.0)
+        a = tl.where(a_ok, a, 0.0)
+        b = tl.where(b_ok, b, 0.0)
+        if SINGLE == 1:
+            value = a
+        else:
+            value = tl.where(one, a, (a + b) / 2.0)
+        tl.store(scores_ptr + dest * scores_stride + j, value, mask=j < width)
+
+
+def store_row_scores(page_scores: torch.Tensor, indptr: torch.Tensor, pages: torch.Tensor,
+                     live: torch.Tensor, single: torch.Tensor | bool | None, slot: torch.Tensor,
+                     scores: torch.Tensor) -> None:  # fmt: skip
+    """``reference.store_row_scores_ref`` in one launch."""
+    n = live.shape[0]
+    if scores.dtype != torch.float32 or scores.stride(1) != 1 or slot.dtype != torch.int64:
+        raise ValueError(f"scores must be float32 with contiguous rows and slot int64, got "
+                         f"{scores.dtype} and {slot.dtype}")  # fmt: skip
+    if n == 0:
+        return
+    mode = 1 if single is True else (0 if single is None else 2)
+    live, single = _bytes(live), _bytes(single) if mode == 2 else None
+    _store_row_scores_kernel[(n,)](
+        page_scores, indptr, pages, live, single if mode == 2 else live, slot, scores,
+        scores.stride(0), scores.shape[1], page_scores.shape[0], scores.shape[0] - 1,
+        SINGLE=mode, BLOCK=max(16, min(1024, triton.next_power_of_2(scores.shape[1]))),
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as uint8 (a view: no copy), so kernels read plain bytes."""
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags

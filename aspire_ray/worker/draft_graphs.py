@@ -47,7 +47,7 @@ from . import sampler
 from .draft_pages import (
     PageScoreTable,
     choose_top_pages,
-    listed_page_scores,
+    rescore_first_last,
     sync_tables,
 )
 from .page_selector import PageSelector
@@ -207,7 +207,7 @@ class DraftStepGraphs:
                                                      return_lse=True)  # fmt: skip
             attn_out.copy_(out)
             live = rp["rows"][5] > 0
-            self._rescore(q, lse, kv_caches[lr], full, scale, rp["rows"][1], live, slot)
+            self._rescore(q, lse, kv_caches[lr], scale, rp["rows"], live, slot)
             post = PagedKVMeta(sparse.qo_indptr, sparse.kv_indptr,
                                self._choose(choice, live) if choice else sparse.kv_indices,
                                sparse.kv_last_page_len, ps, fixed_plan=sparse.fixed_plan)
@@ -244,13 +244,14 @@ class DraftStepGraphs:
         return choose_top_pages(template, self.page_table.table, self.scores, rows, has_scores,
                                 first, max_candidates)  # fmt: skip
 
-    def _rescore(self, q, lse, kv_cache, full: PagedKVMeta, scale: float, pages: torch.Tensor,
-                 live: torch.Tensor, slot: torch.Tensor) -> None:  # fmt: skip
+    def _rescore(self, q, lse, kv_cache, scale: float, rows: torch.Tensor, live: torch.Tensor,
+                 slot: torch.Tensor) -> None:  # fmt: skip
         """Each live row's page scores (its one query's, DESIGN.md §1.2) replace its row of the
-        score table; padding rows write the scratch row."""
-        rows = listed_page_scores(self.pieces.backend, q, lse, kv_cache, full, scale, pages,
-                                  self.scores.width)  # fmt: skip
-        self.scores.scores.index_copy_(0, torch.where(live, slot, self.scores.scratch), rows)
+        score table; padding rows write the scratch row. rows: ``plan_rows``' int64 [6, n]."""
+        end, row_slot = rows[2], rows[4]
+        rescore_first_last(self.pieces.backend, q, lse, kv_cache, scale, self.page_table.table,
+                           self.scores, None, None, end, end, live, slot, row_slot,
+                           self._pool_pages, fused=self.fused_rows)  # fmt: skip
 
     # ---- one chain -----------------------------------------------------------------------------
     def _load(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from aspire_ray.kernels.device_plan import score_items
 from aspire_ray.kernels.metadata import PagedKVMeta
-from aspire_ray.kernels.reference import choose_top_pages_ref
+from aspire_ray.kernels.reference import (
+    choose_top_pages_ref,
+    score_lists_ref,
+    store_row_scores_ref,
+)
 from aspire_ray.model.rotary import fused_ops
 
-from .page_table import PageTable, gather_lists, list_capacity
+from .page_table import PageTable, list_capacity
 
 
 class PageScoreTable:
@@ -98,53 +101,37 @@ def choose_top_pages(template: torch.Tensor, pages: torch.Tensor, table: PageSco
                                 max_candidates)  # fmt: skip
 
 
-def listed_page_scores(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor,
-                       meta, scale: float, pages: torch.Tensor, width: int) -> torch.Tensor:
-    """Page scores of rows of one query each, planned on the device (CUDA graphs): q [R, Hq,
-    D], lse [R, Hq] float32, meta: the rows' page lists (fixed capacity), pages: int64 [R]
-    pages each row lists -> float32 [R, width], row r's score of its j-th page, 0 past them."""
-    from aspire_ray.kernels.page_scores import work_tokens  # imports triton
-
-    ps, cap = meta.page_size, meta.kv_indices.shape[0]
-    per_item = work_tokens(ps)
-    work, count = score_items(meta.kv_indptr, ps, per_item, -(-cap * ps // per_item) + q.shape[0])
-    page_scores = backend.page_scores(q, lse, kv_cache, meta, scale,
-                                      work=(work.int(), count.int()))  # [cap]
-    j = torch.arange(width, device=q.device)[None, :]
-    at = (meta.kv_indptr[:-1, None].long() + j).clamp(max=cap - 1)
-    return torch.where(j < pages[:, None], page_scores[at], 0.0)
-
-
 def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: torch.Tensor,
                        scale: float, table: torch.Tensor, scores: PageScoreTable,
-                       first: torch.Tensor, last: torch.Tensor, seen_first: torch.Tensor,
-                       seen_last: torch.Tensor, live: torch.Tensor, slot: torch.Tensor,
-                       row_slot: torch.Tensor, pool_pages: int,
-                       single: torch.Tensor | None = None) -> None:  # fmt: skip
+                       first: torch.Tensor | None, last: torch.Tensor | None,
+                       seen_first: torch.Tensor, seen_last: torch.Tensor, live: torch.Tensor,
+                       slot: torch.Tensor, row_slot: torch.Tensor, pool_pages: int,
+                       single: torch.Tensor | None = None, fused: bool = True) -> None:  # fmt: skip
     """Rows' page scores from their first and last query, averaged as
     ``PageScoreTable.store`` averages them, into the rows' slots of the score table (padding
     rows: its scratch row); planned on the device (CUDA graphs). q [T, Hq, D], lse [T, Hq]:
-    the layer's queries; first, last: int64 [n] token indices; seen_first, seen_last: int64
-    [n] KV tokens each one sees; table: int32 [slots, W] the page table; live, slot,
-    row_slot: int64 / bool [n]; single: bool [n], rows of one query (scored from it alone,
-    their second query listing no page: draft rows read the KV once)."""
-    n, ps, width = first.shape[0], kv_cache.shape[2], table.shape[1]
-    which = torch.stack([first, last], dim=1).flatten()  # [2n] token index
-    seen = torch.stack([seen_first, seen_last], dim=1).flatten()
-    live2 = live.repeat_interleave(2)
-    if single is not None:  # a single row's second query: no page, no work
-        live2 = live2 & ~torch.stack([torch.zeros_like(single), single], dim=1).flatten()
-    pages = torch.where(live2, (seen + ps - 1) // ps, 0)
-    last_len = torch.where(live2, seen - (pages - 1) * ps, 1).int()
-    j = torch.arange(width, device=q.device)[None, :]
+    the layer's queries; first, last: int64 [n] token indices (None: row r's one query is
+    token r, every row single); seen_first, seen_last: int64 [n] KV tokens each one sees;
+    table: int32 [slots, W] the page table; live: bool [n]; slot, row_slot: int64 [n];
+    single: bool [n], rows of one query (scored from it alone, their second query listing no
+    page: draft rows read the KV once). fused: the lists and the score rows in one launch each
+    where the device runs Triton (``kernels/row_plan.py``), else the reference's tensor ops."""
+    from aspire_ray.kernels.page_scores import work_tokens  # imports triton
+
+    n, ps = live.shape[0], kv_cache.shape[2]
     cap = 2 * list_capacity(n, table, pool_pages)  # a row's pages, listed by both its queries
-    indptr, indices = gather_lists(table, pages, j.expand(2 * n, -1),
-                                   row_slot.repeat_interleave(2), cap)  # fmt: skip
-    meta = PagedKVMeta(torch.arange(2 * n + 1, dtype=torch.int32, device=q.device), indptr,
-                       indices, last_len, ps)  # fmt: skip
-    per_query = listed_page_scores(backend, q[which], lse[which].contiguous(), kv_cache, meta,
-                                   scale, pages, scores.width).view(n, 2, -1)  # fmt: skip
-    rows = (per_query[:, 0] + per_query[:, 1]) / 2.0  # sum, then divide: as the host
-    if single is not None:
-        rows = torch.where(single[:, None], per_query[:, 0], rows)
-    scores.scores.index_copy_(0, torch.where(live, slot, scores.scratch), rows)
+    per_item = work_tokens(ps)
+    items = -(-cap * ps // per_item) + 2 * n
+    kernels = fused and fused_ops(table)
+    if kernels:
+        from aspire_ray.kernels.row_plan import score_lists, store_row_scores
+    else:
+        score_lists, store_row_scores = score_lists_ref, store_row_scores_ref
+    lists = score_lists(first, last, seen_first, seen_last, live, single, row_slot, table, ps,
+                        cap, per_item, items)  # fmt: skip
+    meta = PagedKVMeta(lists["qo"], lists["indptr"], lists["indices"], lists["last"], ps)
+    which = lists["which"]
+    page_scores = backend.page_scores(q[which], lse[which].contiguous(), kv_cache, meta, scale,
+                                      work=(lists["work"], lists["count"]))  # fmt: skip
+    store_row_scores(page_scores, lists["indptr"], lists["pages"], live,
+                     True if first is None else single, slot, scores.scores)  # fmt: skip

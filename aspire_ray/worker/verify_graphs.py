@@ -135,4 +135,5 @@ class VerifyGraphs:
         first = torch.arange(n, device=lse.device) * q
         rescore_first_last(self.pieces.backend, self.pieces.q, lse, kv_cache, scale,
                            d.page_table.table, d.scores, first, first + q - 1, start_pos + 1,
-                           start_pos + q, live, slot, row_slot, d._pool_pages)  # fmt: skip
+                           start_pos + q, live, slot, row_slot, d._pool_pages,
+                           fused=d.fused_rows)  # fmt: skip

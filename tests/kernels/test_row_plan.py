@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from aspire_ray.config import SpecConfig
-from aspire_ray.kernels.reference import accept_rows_ref, plan_rows_ref
-from aspire_ray.kernels.row_plan import accept_rows, plan_rows
+from aspire_ray.kernels.reference import (
+    accept_rows_ref,
+    plan_rows_ref,
+    score_lists_ref,
+    store_row_scores_ref,
+)
+from aspire_ray.kernels.row_plan import accept_rows, plan_rows, score_lists, store_row_scores
 from aspire_ray.worker.page_selector import FullPages, StreamingWindow, TopKPages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,3 +132,64 @@ def test_queries_past_the_token_bucket_are_dropped():
     total = int(want["qo"][-1])
     assert total > 8
     _check(state, chain, table, "window", total - 5)
+
+
+def _scoring_case(n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    slots = n + 3
+    table = torch.randperm(slots * WIDTH, generator=gen).view(slots, WIDTH).int() + 1
+    live = torch.rand(n, generator=gen) < 0.8
+    single = torch.rand(n, generator=gen) < 0.5
+    seen_last = torch.randint(1, WIDTH * PS + 1, (n,), generator=gen)
+    seen_first = (seen_last - torch.randint(0, 7, (n,), generator=gen)).clamp(min=1)
+    first = torch.randint(0, 50, (n,), generator=gen)
+    last = first + torch.randint(0, 7, (n,), generator=gen)
+    row_slot = torch.where(live, torch.randperm(slots, generator=gen)[:n], 0)
+    return first, last, seen_first, seen_last, live, single, row_slot, table
+
+
+@pytest.mark.parametrize("mode", ["first_last", "single", "identity"])
+@pytest.mark.parametrize("n", [1, 6, 21])
+def test_score_lists(mode, n):
+    first, last, seen_first, seen_last, live, single, row_slot, table = _scoring_case(n, n)
+    if mode == "identity":
+        first = last = None
+        seen_first = seen_last
+    kw = dict(single=single if mode == "single" else None)
+    args = [first, last, seen_first, seen_last, live]
+    rest = [row_slot, table, PS, 2 * n * WIDTH + 3, 4 * PS, 2 * n * WIDTH // 4 + 2 * n]
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    want = score_lists_ref(*args, kw["single"], *rest)
+    got = score_lists(*[to(x) for x in args], to(kw["single"]), to(row_slot), to(table),
+                      *rest[2:])  # fmt: skip
+    count = int(want["count"])
+    for key in want:
+        w, g = want[key], got[key].cpu()
+        if key == "work":
+            w, g = w[:, :count], g[:, :count]
+        assert torch.equal(g, w), key
+    assert count > 0 and int(want["pages"][1::2].sum()) >= 0
+    if mode == "identity":
+        assert int(want["pages"][1::2].sum()) == 0  # one query a row
+
+
+@pytest.mark.parametrize("single", ["rows", "every", "none"])
+def test_store_row_scores(single):
+    n = 9
+    first, last, seen_first, seen_last, live, single_rows, row_slot, table = _scoring_case(n, 5)
+    which = {"rows": single_rows, "every": True, "none": None}[single]
+    lists = score_lists_ref(first, last, seen_first, seen_last, live, None, row_slot, table, PS,
+                            2 * n * WIDTH, 4 * PS, 2 * n * WIDTH)  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    page_scores = torch.rand(2 * n * WIDTH, generator=gen)
+    slot = torch.randperm(n + 3, generator=gen)[:n]
+    base = torch.rand(n + 4, WIDTH + 6, generator=gen)  # wider than a page table row
+    want = base.clone()
+    store_row_scores_ref(page_scores, lists["indptr"], lists["pages"], live, which, slot, want)
+    got = base.clone().to(DEVICE)
+    to = lambda x: x.to(DEVICE) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    store_row_scores(to(page_scores), to(lists["indptr"]), to(lists["pages"]), to(live),
+                     to(which), to(slot), got)  # fmt: skip
+    # every row but the scratch row (padding rows all write it: any of them may win)
+    assert torch.equal(got.cpu()[:-1], want[:-1])
+    assert not torch.equal(want[:-1], base[:-1])
