@@ -9,6 +9,11 @@ One program per row. Each reads the numbers of every row (a batch: a few hundred
 its offsets (queries and pages of the rows before it), then writes its own: its tokens, its
 metadata, its sparse (policy) list and, with FULL, its full list. The last program also pads
 the tokens past the last row's.
+
+The same file holds the step's other row-wise glue, one launch each: ``accept_rows`` (the
+greedy acceptance after the step, ``reference.accept_rows_ref``), ``score_lists`` (the refresh
+layer's scoring queries and their page lists and work, ``score_lists_ref``) and
+``store_row_scores`` (their averaged scores into the score table, ``store_row_scores_ref``).
 """
 
 from __future__ import annotations
