@@ -13,14 +13,11 @@ from __future__ import annotations
 import torch
 
 from aspire_ray.kernels.metadata import PagedKVMeta
-from aspire_ray.kernels.reference import (
-    choose_top_pages_ref,
-    score_lists_ref,
-    store_row_scores_ref,
-)
+from aspire_ray.kernels.reference import choose_top_pages_ref
 from aspire_ray.model.rotary import fused_ops
 
 from .page_table import PageTable, list_capacity
+from .step_rows import score_lists, store_row_scores
 
 
 class PageScoreTable:
@@ -115,23 +112,18 @@ def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
     table: int32 [slots, W] the page table; live: bool [n]; slot, row_slot: int64 [n];
     single: bool [n], rows of one query (scored from it alone, their second query listing no
     page: draft rows read the KV once). fused: the lists and the score rows in one launch each
-    where the device runs Triton (``kernels/row_plan.py``), else the reference's tensor ops."""
+    where the device runs Triton (``step_rows``), else the reference's tensor ops."""
     from aspire_ray.kernels.page_scores import work_tokens  # imports triton
 
     n, ps = live.shape[0], kv_cache.shape[2]
     cap = 2 * list_capacity(n, table, pool_pages)  # a row's pages, listed by both its queries
     per_item = work_tokens(ps)
     items = -(-cap * ps // per_item) + 2 * n
-    kernels = fused and fused_ops(table)
-    if kernels:
-        from aspire_ray.kernels.row_plan import score_lists, store_row_scores
-    else:
-        score_lists, store_row_scores = score_lists_ref, store_row_scores_ref
     lists = score_lists(first, last, seen_first, seen_last, live, single, row_slot, table, ps,
-                        cap, per_item, items)  # fmt: skip
+                        cap, per_item, items, fused)  # fmt: skip
     meta = PagedKVMeta(lists["qo"], lists["indptr"], lists["indices"], lists["last"], ps)
     which = lists["which"]
     page_scores = backend.page_scores(q[which], lse[which].contiguous(), kv_cache, meta, scale,
                                       work=(lists["work"], lists["count"]))  # fmt: skip
     store_row_scores(page_scores, lists["indptr"], lists["pages"], live,
-                     True if first is None else single, slot, scores.scores)  # fmt: skip
+                     True if first is None else single, slot, scores.scores, fused)  # fmt: skip

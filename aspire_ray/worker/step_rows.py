@@ -1,13 +1,15 @@
-"""A self-planning graph step's rows: tokens and page lists from a few numbers per row, and
-the greedy acceptance after the step (issue 14 items 1, 3).
+"""A self-planning graph step's rows: tokens and page lists from a few numbers per row, the
+greedy acceptance after the step, and the refresh layer's scoring lists and score rows
+(issue 14 items 1, 3).
 
 The draft-step, verify and asynchronous-run graphs (``draft_graphs.py``, ``verify_graphs.py``,
 ``async_graphs.py``) keep each row's slot, flags, last token and position (and, in a run, its
 draft length and drafts held) on the device. ``plan_rows`` turns them into the step's query
 tokens, positions, KV slots and page lists; ``accept_rows`` moves each row on from the
-target's argmax. On a GPU each is one Triton launch (``kernels/row_plan.py``) for the ~60-90
-tensor ops of their meaning (``reference.plan_rows_ref`` / ``accept_rows_ref``), which the CPU
-runs.
+target's argmax; ``score_lists`` and ``store_row_scores`` serve the rescoring
+(``draft_pages.rescore_first_last``). On a GPU each is one Triton launch
+(``kernels/row_plan.py``) for the tensor ops of its meaning (``reference.plan_rows_ref``,
+``accept_rows_ref``, ``score_lists_ref``, ``store_row_scores_ref``), which the CPU runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from aspire_ray.kernels.reference import accept_rows_ref, plan_rows_ref
+from aspire_ray.kernels.reference import (
+    accept_rows_ref,
+    plan_rows_ref,
+    score_lists_ref,
+    store_row_scores_ref,
+)
 from aspire_ray.model.rotary import fused_ops
 
 from .page_selector import PageSelector
@@ -56,3 +63,29 @@ def accept_rows(argmax: torch.Tensor, tokens: torch.Tensor, qo: torch.Tensor,
         kernel(argmax, tokens, qo, rows, x_id, x_pos, start_pos, chain, held)
     else:
         accept_rows_ref(argmax, tokens, qo, rows, x_id, x_pos, start_pos, chain, held)
+
+
+def score_lists(first: torch.Tensor | None, last: torch.Tensor | None,
+                seen_first: torch.Tensor, seen_last: torch.Tensor, live: torch.Tensor,
+                single: torch.Tensor | None, row_slot: torch.Tensor, table: torch.Tensor,
+                page_size: int, capacity: int, per_item: int, item_capacity: int,
+                fused: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``reference.score_lists_ref`` (the refresh layer's scoring queries and their lists);
+    capturable (fused: as ``plan_rows``)."""
+    if fused and fused_ops(table):
+        from aspire_ray.kernels.row_plan import score_lists as fn
+    else:
+        fn = score_lists_ref
+    return fn(first, last, seen_first, seen_last, live, single, row_slot, table, page_size,
+              capacity, per_item, item_capacity)  # fmt: skip
+
+
+def store_row_scores(page_scores: torch.Tensor, indptr: torch.Tensor, pages: torch.Tensor,
+                     live: torch.Tensor, single: torch.Tensor | bool | None, slot: torch.Tensor,
+                     scores: torch.Tensor, fused: bool = True) -> None:  # fmt: skip
+    """``reference.store_row_scores_ref``, in place; capturable (fused: as ``plan_rows``)."""
+    if fused and fused_ops(scores):
+        from aspire_ray.kernels.row_plan import store_row_scores as fn
+    else:
+        fn = store_row_scores_ref
+    fn(page_scores, indptr, pages, live, single, slot, scores)
