@@ -39,8 +39,10 @@ class AttentionConfig:
     # prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row
     # tile takes 143 of them (3 programs an SM) and fits in 96 without spills (5), a 64-row
     # tile 235 (2) and fits in 168 (3) (ptxas -v on the sm_90a build; docs/benchmarks.md §8.23).
+    # Timed there, the wide cap makes a 6-query verify row's attention 11% faster and the 16-row
+    # cap gains nothing (docs/benchmarks.md §8.24), so only the wide one is on by default.
     max_registers: int | None = None
-    wide_max_registers: int | None = None
+    wide_max_registers: int | None = 168
 
     def __post_init__(self) -> None:
         for name in ("block_m_min", "block_m_max", "block_n"):

@@ -63,6 +63,7 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "torchplan": {"fused_row_planning": False},
     # the attention's register caps (more programs resident on an SM; docs/benchmarks.md §8.23)
     "regs": {"attention_options": {"max_registers": 96, "wide_max_registers": 168}},
+    "noregs": {"attention_options": {"wide_max_registers": None}},
 }
 
 

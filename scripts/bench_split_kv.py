@@ -59,6 +59,7 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "regs96": {"max_registers": 96},
     "wide168": {"wide_max_registers": 168},
     "regs96_wide168": {"max_registers": 96, "wide_max_registers": 168},
+    "nowide": {"wide_max_registers": None},  # the compiler's registers for verify tiles too
 }
 
 
