@@ -127,7 +127,19 @@ class SpecConfig:
     d_max: int = 16
     gamma_init: int = 3  # drafts before a request's first verification (aspire)
     alpha_init: float = 0.8  # initial acceptance estimate (aspire, aspire_fsm)
-    alpha_ema: float = 0.8  # alpha <- ema * alpha + (1 - ema) * alpha_hat
+    alpha_ema: float = 0.8  # the weight each verification leaves to the earlier ones
+    # "pooled": alpha = (EMA of drafts accepted) / (EMA of drafts tried, the rejected one
+    # included), the estimate whose expectation is the acceptance rate; "per_round": DESIGN.md
+    # §1.5's alpha <- ema * alpha + (1 - ema) * a / min(a + 1, d), which sits 0.06-0.15 below
+    # it and pulls gamma down with it (docs/speculation.md)
+    alpha_estimator: str = "pooled"
+    # How `aspire` prices a draft length (gamma_rule "cost_model"). "homogeneous": DESIGN.md
+    # §1.5's c_i, a batch of B copies of the request, so each request is charged the whole
+    # per-step term b_model of its draft steps. "marginal": each request's rows at what they add
+    # to a step (b_tok and b_kv terms), the per-step term shared by the batch, against the
+    # batch's own throughput (docs/speculation.md): the same choice for a homogeneous batch, a
+    # better one for a mixed batch in the simulator.
+    gamma_pricing: str = "marginal"
     fsm_min: int = 1
     fsm_max: int = 16
     # aspire: a request whose target draft length stayed 0 for this many verifications drafts
@@ -206,6 +218,10 @@ class SpecConfig:
         _require(0.0 < self.alpha_init < 1.0,
                  f"alpha_init must be in (0, 1), got {self.alpha_init}")
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+        _require(self.gamma_pricing in ("homogeneous", "marginal"),
+                 f"gamma_pricing must be 'homogeneous' or 'marginal', got {self.gamma_pricing!r}")
+        _require(self.alpha_estimator in ("pooled", "per_round"),
+                 f"alpha_estimator must be 'pooled' or 'per_round', got {self.alpha_estimator!r}")
         _require(1 <= self.fsm_min <= self.fsm_max <= 64,
                  f"need 1 <= fsm_min <= fsm_max <= 64, got {self.fsm_min}, {self.fsm_max}")
         _require(1 <= self.rounds_per_plan <= 64,

@@ -64,6 +64,10 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # the attention's register caps (more programs resident on an SM; docs/benchmarks.md §8.23)
     "regs": {"attention_options": {"max_registers": 96, "wide_max_registers": 168}},
     "noregs": {"attention_options": {"wide_max_registers": None}},
+    # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
+    "perround": {"alpha_estimator": "per_round"},
+    # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)
+    "homogeneous": {"gamma_pricing": "homogeneous"},
 }
 
 

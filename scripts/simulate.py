@@ -266,8 +266,11 @@ def costs_from_breakdown(b: dict, decode_seconds: float | None, source: str) -> 
     """The cost model's fit; host time per plan = the decode window not spent in the worker
     (or the driver's schedule + commit + executor overhead, without a window)."""
     cm, t, plans = b["cost_model"], b["timings"], max(b["steps"], 1)
-    if cm.get("status", "fit") != "fit":  # the prior was in force: nothing was measured
-        raise SystemExit(f"{source}: its cost model was not fitted ({cm['status']})")
+    status = cm.get("status", "fit")
+    # "offset": the prior's slopes and a per-step term fitted to the served steps (the engine's
+    # own pricing of them); a prior in force means nothing was measured
+    if status != "fit" and not status.startswith("offset"):
+        raise SystemExit(f"{source}: its cost model was not fitted ({status})")
     if decode_seconds is not None:
         host = (decode_seconds - t.get("total", 0.0)) / plans
     else:

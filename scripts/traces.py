@@ -22,7 +22,9 @@ Page policies (DESIGN.md §1.6): ``window`` (magicdec: sink + recent pages), ``v
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 from dataclasses import dataclass, field
 
 from aspire_ray.plan import RowKind, rounds_of
@@ -193,3 +195,56 @@ def engine_meta(engine) -> dict:
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def synthetic(alphas: list[float], prompt_len: int, num_tokens: int, meta: dict,
+              seed: int = 0) -> Traces:
+    """Traces of i.i.d. acceptance: request i's draft at each output position is accepted with
+    probability alphas[i], the same bits for every page policy (a workload of known acceptance,
+    to check the policy's estimates and choices, not to predict a text's). ``meta`` as
+    ``engine_meta`` gives it (the deployment's depth, page size, query tile, page budget)."""
+    rng = random.Random(seed)
+    traces = Traces(dict(meta, context=prompt_len, synthetic=True), {}, [])
+    for alpha in alphas:
+        bits = "".join("1" if rng.random() < alpha else "0" for _ in range(num_tokens))
+        tokens = [rng.randrange(1, 1 << 16) * 2 for _ in range(num_tokens)]  # even: t + 1 differs
+        rt = RequestTrace(prompt_len, domain=f"alpha={alpha:g}")
+        for mode in ("magicdec", "specattn", "aspire_fixed"):  # one per page policy
+            rt.tokens[mode], rt.accept[mode] = tokens, bits
+        traces.requests.append(rt)
+    traces.modes = {m: {"gamma": None, "synthetic": True}
+                    for m in ("magicdec", "specattn", "aspire_fixed")}  # fmt: skip
+    return traces
+
+
+def qwen_meta(num_layers: int = 24, page_size: int = 16, query_tile_tokens: int = 9) -> dict:
+    """``engine_meta`` of the real Qwen2.5-Coder-0.5B deployment (24 layers, 7-head GQA groups:
+    9 query tokens a 64-row tile) with the default page budget."""
+    from aspire_ray.config import SpecConfig
+
+    spec = SpecConfig()
+    return {"num_layers": num_layers, "page_size": page_size, "vocab_size": 151936,
+            "model": "synthetic", "device": "synthetic", "query_tile_tokens": query_tile_tokens,
+            "spec": {"k_min": spec.k_min, "rho": spec.rho, "recent_pages": spec.recent_pages,
+                     "keep_sink_page": spec.keep_sink_page, "d_max": spec.d_max}}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Write synthetic acceptance traces (i.i.d. bits).")
+    p.add_argument("--alphas", required=True,
+                   help="comma list of acceptance rates, assigned to the requests in turn")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32000)
+    p.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    p.add_argument("--num-layers", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    levels = [float(a) for a in args.alphas.split(",")]
+    alphas = [levels[i % len(levels)] for i in range(args.batch)]
+    synthetic(alphas, args.prompt_len, args.tokens, qwen_meta(args.num_layers),
+              args.seed).save(args.out)
+
+
+if __name__ == "__main__":
+    main()

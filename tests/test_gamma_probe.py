@@ -62,6 +62,7 @@ def test_policy_probes_every_k_plain_verifications():
     )
     policy.on_admit(req)
     req.verified_once, req.alpha = True, 0.1
+    req.alpha_accepted, req.alpha_tried = 0.1 * req.alpha_tried, req.alpha_tried  # (pooled)
     assert model.draft_verify_ratio(64, 500.0, 0, 3000) == 1.0
     actions = []
     for _ in range(20):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,11 @@ def test_costs_from_measurements(mods, tmp_path):
                                                 "status": "prior"}, "timings": {}, "steps": 9}))
     with pytest.raises(SystemExit, match="not fitted"):
         sim.load_costs(str(stats), "ar", smol)
+    # an offset fit (the prior's slopes, the per-step term fitted) is the engine's own pricing
+    stats.write_text(json.dumps({"cost_model": {"b_model": 1e-3, "b_tok": 1e-6, "b_kv": 4e-9,
+                                                "status": "offset: r2 0.2 < 0.8"},
+                                 "timings": {}, "steps": 9}))  # fmt: skip
+    assert sim.load_costs(str(stats), "aspire", smol).b_model == 1e-3
     floor = ROOT / "docs" / "bench_floor_h200_qwen05b_32k_chains.json"
     if floor.exists():
         c = sim.load_costs(str(floor), "ar", smol)
@@ -187,3 +193,31 @@ def test_cli(recorded, tmp_path):
     # no trace of specattn's page policy was recorded: skipped, with a note
     assert "specattn: skipped" in proc.stdout and not any(m == "specattn" for m, _ in got)
     assert "error_pct" in next(r for r in runs if r["mode"] == "magicdec" and r["gamma"] == 4)
+
+
+def test_synthetic_traces_replay_their_acceptance(mods):
+    """traces.synthetic: i.i.d. bits at each request's alpha. A fixed gamma's rounds then accept
+    each position at that rate, and `aspire`'s pooled estimates land near it."""
+    tr, sim = mods["traces"], mods["simulate"]
+    alphas = [0.5, 0.9] * 4
+    traces = tr.synthetic(alphas, prompt_len=3000, num_tokens=400, meta=tr.qwen_meta(), seed=1)
+    bits = [r.accept["aspire_fixed"] for r in traces.requests]
+    for alpha, b in zip(alphas, bits, strict=True):
+        assert b.count("1") / len(b) == pytest.approx(alpha, abs=0.08)
+    costs = _costs(mods, b_tok=1e-6, b_kv=4e-9)
+    fixed = sim.simulate(traces, "aspire_fixed", costs, 1, window="drain")
+    # one draft a round: the first position's acceptance is the mean alpha
+    assert fixed["acceptance_by_position"][0] == pytest.approx(0.7, abs=0.05)
+    seen = {}
+    policy_cls = mods["simulate"].DraftPolicy
+    orig = policy_cls.on_verified
+
+    def record(self, req, drafted, accepted):
+        orig(self, req, drafted, accepted)
+        seen.setdefault(req.req_id, []).append(req.alpha)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(policy_cls, "on_verified", record)
+        sim.simulate(traces, "aspire", costs, window="drain")
+    for i, alpha in enumerate(alphas):  # the mean estimate after the first ten verifications
+        assert np.mean(seen[f"sim-{i}"][10:]) == pytest.approx(alpha, abs=0.06), i

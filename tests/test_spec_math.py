@@ -13,6 +13,7 @@ from aspire_ray.spec.acceptance import (
     expected_tokens,
     optimal_gamma,
     update_alpha,
+    update_pooled,
 )
 from aspire_ray.spec.cost_model import CostModel
 
@@ -104,3 +105,32 @@ def test_optimal_gamma_early_stop_equals_full_scan(alpha, c, d_max):
 
     values = [expected_speedup(alpha, c, g) for g in range(d_max + 1)]
     assert optimal_gamma(alpha, c, d_max) == values.index(max(values))
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.87])
+def test_pooled_alpha_is_the_acceptance_rate_where_the_per_round_mean_is_not(alpha):
+    """i.i.d. acceptance, rounds of 2-8 drafts: the pooled estimate (accepted over tried) tracks
+    alpha; DESIGN.md §1.5's EMA of a / min(a + 1, d) sits 0.1-0.2 below it, since a round
+    rejected early weighs as much as a long one."""
+    rng = np.random.default_rng(0)
+    per_round, (acc, tried) = 0.8, (2.4, 3.0)
+    sums = np.zeros(2)
+    n = 20000
+    for i in range(n):
+        d = 2 + i % 7
+        draws = rng.random(d) < alpha
+        a = d if draws.all() else int(np.argmin(draws))
+        per_round = update_alpha(per_round, d, a)
+        acc, tried = update_pooled(acc, tried, d, a)
+        sums += (per_round, acc / tried)
+    mean_per_round, mean_pooled = sums / n
+    assert abs(mean_pooled - alpha) < 0.03
+    assert mean_per_round < alpha - 0.1
+
+
+def test_pooled_alpha_reference_values():
+    # 3 of 5 accepted: 4 tried (the 4th rejected); a round without drafts changes nothing
+    expected = (0.8 * 2.4 + 3, 0.8 * 3 + 4)
+    assert update_pooled(2.4, 3.0, drafted=5, accepted=3) == pytest.approx(expected)
+    assert update_pooled(2.4, 3.0, drafted=4, accepted=4, ema=0.5) == pytest.approx((5.2, 5.5))
+    assert update_pooled(2.4, 3.0, drafted=0, accepted=0) == (2.4, 3.0)

@@ -42,6 +42,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # speculation state (owned by the draft policy)
     alpha: float = 0.0
+    alpha_accepted: float = 0.0  # EMA sums of drafts accepted and tried (pooled estimator)
+    alpha_tried: float = 0.0
     fsm_gamma: int = 0
     verified_once: bool = False
     plain_verifies: int = 0  # verifications with d = 0 since the last one with drafts

@@ -149,6 +149,12 @@ class KVReads:
         tiles = 1 if self.query_tile is None else -(-queries // self.query_tile)
         return float(context_tokens * tiles)
 
+    def full_by_queries(self, context_tokens: int, max_queries: int) -> np.ndarray:
+        """[max_queries] ``full(context_tokens, q)`` for q = 1..max_queries."""
+        q = np.arange(1, max_queries + 1)
+        tiles = np.ones_like(q) if self.query_tile is None else -(-q // self.query_tile)
+        return (context_tokens * tiles).astype(np.float64)
+
 
 @dataclass
 class PredictionErrors:

@@ -16,10 +16,12 @@ import enum
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from aspire_ray.config import SpecConfig
 from aspire_ray.plan import RowKind, RowPlan
 
-from .acceptance import best_gamma, update_alpha
+from .acceptance import best_gamma, update_alpha, update_pooled
 from .cost_model import CostModel, KVReads
 
 if TYPE_CHECKING:  # spec never imports the engine at run time
@@ -45,6 +47,9 @@ class DraftPolicy:
 
     def on_admit(self, req: Request) -> None:
         req.alpha = self.cfg.alpha_init
+        # the pooled estimate starts from one round's worth of drafts at alpha_init
+        req.alpha_tried = float(max(1, self.cfg.gamma_init))
+        req.alpha_accepted = self.cfg.alpha_init * req.alpha_tried
         req.fsm_gamma = self.cfg.gamma
 
     def sparse_tokens(self, context_len: int) -> int:
@@ -79,9 +84,10 @@ class DraftPolicy:
         steps = max(row.num_steps for row in rows)
         return tokens / steps, kv / steps
 
-    def target(self, req: Request, batch: int) -> int:
+    def target(self, req: Request, batch: int, optimum: int | None = None) -> int:
         """The draft length this request aims for before verifying (the mode's gamma rule,
-        ``config.MODES``); ``decide`` clamps it to ``max_drafts``."""
+        ``config.MODES``); ``decide`` clamps it to ``max_drafts``. optimum: the cost model's
+        choice where the batch was priced jointly (``marginal_gammas``)."""
         rule = self.cfg.mode_spec.gamma_rule
         if rule == "none":
             return 0
@@ -90,7 +96,7 @@ class DraftPolicy:
         if rule == "fsm":
             return req.fsm_gamma
         # cost_model: the optimum, at least gamma_init before the first verification
-        gamma = self.cost_optimal_gamma(req, batch)
+        gamma = self.cost_optimal_gamma(req, batch) if optimum is None else optimum
         if not req.verified_once:
             gamma = max(gamma, self.cfg.gamma_init)
         if gamma == 0 and req.plain_verifies >= self.cfg.probe_every:
@@ -111,10 +117,56 @@ class DraftPolicy:
             return 0
         return best_gamma(req.alpha, t_draft, t_verify)
 
+    def marginal_gammas(self, reqs: list[Request], rounds: int = 8) -> list[int]:
+        """Each request's cost-optimal draft length with its rows priced at what they add to a
+        step (``SpecConfig.gamma_pricing`` "marginal").
+
+        A step holds one row per request. Over a cycle of g draft steps and a verification,
+        request i commits R_i(g) = E_i(g) / (g + 1) tokens a step and adds C_i(g) =
+        (g * d_i + v_i(g)) / (g + 1) seconds to every step, with d_i, v_i(g) its draft and
+        verify rows' b_tok and b_kv terms. The batch commits sum R / (b_model + sum C) tokens a
+        second: a ratio of sums, maximized jointly by Dinkelbach's iteration. At a throughput
+        lambda each request takes argmax_g R_i(g) - lambda * C_i(g); lambda is recomputed from
+        those choices, from `ar`'s (lambda = 0: every g = 0) upwards, until no choice changes.
+        A request of low alpha still drafts where its verify row's full KV read costs the batch
+        more than its own tokens are worth; the homogeneous price (``cost_optimal_gamma``)
+        charges it a whole draft step's b_model instead."""
+        if not reqs:
+            return []
+        coef = self.cost_model.coef
+        g = np.arange(self.cfg.max_drafts + 1)  # [G]
+        gain, cost = [], []  # [B, G] R_i(g), C_i(g)
+        for req in reqs:
+            ctx = req.num_tokens + len(req.drafts)
+            d = coef.b_tok + coef.b_kv * self.kv_reads.draft(self.sparse_tokens(ctx), ctx)
+            v = coef.b_tok * (g + 1) + coef.b_kv * self.kv_reads.full_by_queries(ctx, len(g))
+            a = min(req.alpha, 1.0)
+            tokens = g + 1.0 if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+            gain.append(tokens / (g + 1))
+            cost.append((g * d + v) / (g + 1))
+        gain, cost = np.array(gain), np.array(cost)
+        rows = np.arange(len(reqs))
+        choice = np.zeros(len(reqs), dtype=np.int64)
+        for _ in range(rounds):
+            seconds = coef.b_model + cost[rows, choice].sum()
+            if not seconds > 0:  # coefficients that price a step at no cost: as cost_optimal_gamma
+                return [0] * len(reqs)
+            lam = gain[rows, choice].sum() / seconds
+            new = np.argmax(gain - lam * cost, axis=1)
+            if np.array_equal(new, choice):
+                break
+            choice = new
+        return choice.tolist()
+
     def targets(self, reqs: list[Request], caps: list[int]) -> list[int]:
         """Each decoding request's draft length, clamped to max_drafts and to its cap."""
-        return [min(self.target(r, len(reqs)), self.cfg.max_drafts, cap)
-                for r, cap in zip(reqs, caps, strict=True)]  # fmt: skip
+        batch = len(reqs)
+        optima: list[int | None] = [None] * batch
+        if (self.cfg.mode_spec.gamma_rule == "cost_model"
+                and self.cfg.gamma_pricing == "marginal" and self.cost_model is not None):
+            optima = self.marginal_gammas(reqs)
+        return [min(self.target(r, batch, o), self.cfg.max_drafts, cap)
+                for r, cap, o in zip(reqs, caps, optima, strict=True)]  # fmt: skip
 
     def decide(self, reqs: list[Request], caps: list[int]) -> list[Action]:
         """reqs: decoding requests; caps[i]: most drafts request i may still hold (stop limits)."""
@@ -155,7 +207,12 @@ class DraftPolicy:
         self.num_probes += int(req.plain_verifies >= self.cfg.probe_every)
         req.plain_verifies = 0
         req.verified_once = True
-        req.alpha = update_alpha(req.alpha, drafted, accepted, self.cfg.alpha_ema)
+        if self.cfg.alpha_estimator == "pooled":
+            req.alpha_accepted, req.alpha_tried = update_pooled(
+                req.alpha_accepted, req.alpha_tried, drafted, accepted, self.cfg.alpha_ema)
+            req.alpha = req.alpha_accepted / req.alpha_tried
+        else:
+            req.alpha = update_alpha(req.alpha, drafted, accepted, self.cfg.alpha_ema)
         if accepted == drafted:
             req.fsm_gamma = min(req.fsm_gamma + 1, self.cfg.fsm_max)
         else:
