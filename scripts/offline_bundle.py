@@ -75,7 +75,7 @@ def slim_ray(wheel: Path, dest: Path) -> Path:
 def stage_model(model: str, staging: Path) -> Path:
     """Copy a model's GGUF file (an alias's, assembled once from its PyPI parts, or a path)
     into the staging folder."""
-    from aspire_ray.model.loader import resolve_alias
+    from aspire_ray.model.registry import resolve_alias
 
     src = Path(resolve_alias(model)).expanduser()
     if src.suffix != ".gguf" or not src.is_file():
@@ -143,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
         if not args.no_model:  # first: a missing model fails before the downloads
-            from aspire_ray.model.loader import DEFAULT_MODEL
+            from aspire_ray.model.registry import DEFAULT_MODEL
 
             stage_model(args.model or DEFAULT_MODEL, staging)
         pip_download([f"ray=={args.ray_version}"], staging, args.python_version)

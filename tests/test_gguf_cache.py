@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from aspire_ray.model import loader
+from aspire_ray.model import gguf_convert
 
 FILES = [f"shard{i}.bin" for i in range(5)]
 FILE_BYTES = 4096
@@ -38,7 +38,7 @@ def _complete(entry) -> bool:
 def gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CONVERT_LOG", str(tmp_path / "convert.log"))
-    monkeypatch.setattr(loader, "_convert_gguf", _slow_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _slow_convert)
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
     return path
@@ -51,7 +51,7 @@ def _conversions(tmp_path) -> int:
 
 def _convert_in_child(gguf, barrier, queue) -> None:
     barrier.wait()
-    queue.put(str(loader._gguf_to_hf_dir(gguf)))
+    queue.put(str(gguf_convert.gguf_to_hf_dir(gguf)))
 
 
 def _watch_entry(entry, stop, queue) -> None:
@@ -66,7 +66,7 @@ def _watch_entry(entry, stop, queue) -> None:
 
 
 def test_two_processes_convert_once_and_nobody_sees_half_an_entry(gguf, tmp_path):
-    entry = loader._conversion_entry(gguf, ())
+    entry = gguf_convert.conversion_entry(gguf, ())
     ctx = multiprocessing.get_context("fork")
     barrier, queue, watch_q, stop = ctx.Barrier(2), ctx.Queue(), ctx.Queue(), ctx.Event()
     watcher = ctx.Process(target=_watch_entry, args=(entry, stop, watch_q))
@@ -91,8 +91,8 @@ def test_two_processes_convert_once_and_nobody_sees_half_an_entry(gguf, tmp_path
 def test_a_converter_that_waited_keeps_the_finished_entry(gguf, tmp_path, monkeypatch):
     """The race, step by step: this process found no entry, and while it waited for the lock
     another process published one. It must return that entry, not convert and replace it."""
-    entry = loader._conversion_entry(gguf, ())
-    real_lock = loader.entry_lock
+    entry = gguf_convert.conversion_entry(gguf, ())
+    real_lock = gguf_convert.entry_lock
 
     @contextlib.contextmanager
     def lock_while_other_process_publishes(path):
@@ -104,24 +104,24 @@ def test_a_converter_that_waited_keeps_the_finished_entry(gguf, tmp_path, monkey
             other.rename(entry)
             yield
 
-    monkeypatch.setattr(loader, "entry_lock", lock_while_other_process_publishes)
+    monkeypatch.setattr(gguf_convert, "entry_lock", lock_while_other_process_publishes)
     entry.parent.mkdir(parents=True)
-    assert loader._gguf_to_hf_dir(gguf) == entry
+    assert gguf_convert.gguf_to_hf_dir(gguf) == entry
     inode = (entry / "done.json").stat().st_ino
     assert _conversions(tmp_path) == 1  # the other process's only
-    monkeypatch.setattr(loader, "entry_lock", real_lock)
-    assert loader._gguf_to_hf_dir(gguf) == entry
+    monkeypatch.setattr(gguf_convert, "entry_lock", real_lock)
+    assert gguf_convert.gguf_to_hf_dir(gguf) == entry
     assert (entry / "done.json").stat().st_ino == inode
     assert _conversions(tmp_path) == 1
 
 
 def test_a_crashed_build_is_replaced(gguf, tmp_path):
-    entry = loader._conversion_entry(gguf, ())
+    entry = gguf_convert.conversion_entry(gguf, ())
     entry.mkdir(parents=True)  # an entry without done.json: nobody reads it
     (entry / "shard0.bin").write_bytes(b"half")
-    stale = entry.parent / (loader.temp_prefix(entry) + "dead")
+    stale = entry.parent / (gguf_convert.temp_prefix(entry) + "dead")
     stale.mkdir()
-    assert loader._gguf_to_hf_dir(gguf) == entry
+    assert gguf_convert.gguf_to_hf_dir(gguf) == entry
     assert _complete(entry) and not stale.exists()
     assert json.loads((entry / "done.json").read_text())["source"] == str(gguf)
 
@@ -131,12 +131,12 @@ def test_a_failed_conversion_leaves_nothing(gguf, monkeypatch):
         (out_dir / "shard0.bin").write_bytes(b"x")
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(loader, "_convert_gguf", broken)
-    entry = loader._conversion_entry(gguf, ())
+    monkeypatch.setattr(gguf_convert, "convert_gguf", broken)
+    entry = gguf_convert.conversion_entry(gguf, ())
     with pytest.raises(RuntimeError, match="out of memory"):
-        loader._gguf_to_hf_dir(gguf)
+        gguf_convert.gguf_to_hf_dir(gguf)
     assert [p for p in os.listdir(entry.parent) if not p.endswith(".lock")] == []
 
 
 def test_alias_stop_tokens_get_their_own_entry(gguf):
-    assert loader._conversion_entry(gguf, ()) != loader._conversion_entry(gguf, (7,))
+    assert gguf_convert.conversion_entry(gguf, ()) != gguf_convert.conversion_entry(gguf, (7,))

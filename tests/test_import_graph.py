@@ -89,6 +89,19 @@ def test_no_import_circles():
     assert _cycles(graph) == []
 
 
+def test_driver_side_resolves_names_without_the_weight_loader():
+    """The engine and the serving layer find models through ``model.registry`` (names,
+    aliases, cached conversions), never through ``model.loader`` (configs and weights, which
+    only the worker reads; the in-process executor brings the worker along for tp = 1)."""
+    modules = _modules()
+    driver = [m for m in modules if m.startswith(("aspire_ray.engine", "aspire_ray.serving"))]
+    assert len(driver) > 10
+    for name in driver:
+        assert "aspire_ray.model.loader" not in _imports(name, modules[name], modules), name
+    users = {m for m in driver if "aspire_ray.model.registry" in _imports(m, modules[m], modules)}
+    assert users >= {"aspire_ray.engine.engine", "aspire_ray.serving.deployment"}
+
+
 LIGHT = """
 import sys
 from aspire_ray.serving.settings import AppArgs

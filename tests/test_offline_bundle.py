@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_split_gguf import make_parts
 
-from aspire_ray.model import loader
+from aspire_ray.model import registry
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 _spec = importlib.util.spec_from_file_location("offline_bundle", SCRIPTS / "offline_bundle.py")
@@ -31,11 +31,11 @@ def fake_qwen(tmp_path, monkeypatch) -> bytes:
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
-    real = loader._ALIASES[ALIAS]
+    real = registry._ALIASES[ALIAS]
     joined = make_parts(site, real.file.dist, real.file.version, [3000, 2500, 100, 4000, 1, 7])
     file = dataclasses.replace(real.file, size=len(joined),
                                sha256=hashlib.sha256(joined).hexdigest())
-    monkeypatch.setitem(loader._ALIASES, ALIAS, dataclasses.replace(real, file=file))
+    monkeypatch.setitem(registry._ALIASES, ALIAS, dataclasses.replace(real, file=file))
     return joined
 
 

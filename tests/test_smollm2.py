@@ -35,9 +35,9 @@ def ar_llm():
 def test_greedy_matches_transformers_on_default_model(ar_llm):
     from transformers import AutoModelForCausalLM
 
-    from aspire_ray.model import loader
+    from aspire_ray.model import registry
 
-    hf_dir = loader.resolve("smollm2-135m-instruct").hf_dir
+    hf_dir = registry.resolve("smollm2-135m-instruct").hf_dir
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                               attn_implementation="eager")
     tok = ar_llm.tokenizer

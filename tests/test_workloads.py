@@ -70,9 +70,9 @@ def test_domains_differ_and_missing_ones_say_why(wl, monkeypatch):
 def test_with_the_smollm2_tokenizer(wl):
     from transformers import AutoTokenizer
 
-    from aspire_ray.model import loader
+    from aspire_ray.model import registry
 
-    tok = AutoTokenizer.from_pretrained(str(loader.resolve("smollm2-135m-instruct").hf_dir))
+    tok = AutoTokenizer.from_pretrained(str(registry.resolve("smollm2-135m-instruct").hf_dir))
     reqs = wl.heterogeneous_requests(tok, 5, seed=0, context_tokens=(4096, 7000),
                                      max_tokens=(256, 1024))  # fmt: skip
     for r in reqs:

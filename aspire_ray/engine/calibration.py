@@ -39,7 +39,7 @@ import numpy as np
 
 from aspire_ray.config import EngineConfig
 from aspire_ray.executor import Executor
-from aspire_ray.model.loader import cache_root
+from aspire_ray.model.cache import cache_root
 from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, ShardInfo, StepOutput, StepPlan
 from aspire_ray.spec.cost_model import CostCoefficients, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy

@@ -1,4 +1,5 @@
-"""The engine loop: schedule -> execute on the workers -> commit tokens, stop, free pages.
+"""The engine loop: schedule -> execute on the workers -> the scheduler's update (tokens
+committed, stops, pages freed) -> outputs.
 
 ``step()`` is the whole life of a step; the engine never touches model code or CUDA (it reaches
 workers only through an Executor with plan/output data objects).
@@ -13,9 +14,9 @@ from collections import defaultdict
 from aspire_ray.config import EngineConfig
 from aspire_ray.executor import Executor, make_executor
 from aspire_ray.executor.base import WorkerDiedError
-from aspire_ray.model import loader
+from aspire_ray.model import registry
 from aspire_ray.outputs import RequestOutput
-from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec, StepOutput, rounds_of
+from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, StepOutput
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
 from aspire_ray.spec.cost_model import CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
@@ -33,7 +34,7 @@ def load_tokenizer(cfg: EngineConfig):
 
     name = cfg.tokenizer or cfg.model
     try:
-        source = loader.resolve(name)
+        source = registry.resolve(name)
     except FileNotFoundError:
         if cfg.load_format == "dummy":
             return None
@@ -64,7 +65,8 @@ class LLMEngine:
             info.memory_bandwidth))
         self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size,
                                   info.num_layers, info.query_tile_tokens)
-        self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy)
+        self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy,
+                                   self.detok, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random()
         self.step_count = 0
@@ -144,112 +146,21 @@ class LLMEngine:
         except WorkerDiedError as e:
             return self._fail_all(str(e))
         t2 = time.perf_counter()
-        changed = self._commit(plan.rows, out)
+        changed = self.scheduler.update(plan, out)
         t3 = time.perf_counter()
         self._record(plan.rows, out, schedule=t1 - t0, execute=t2 - t1, commit=t3 - t2)
         return [self._output(r) for r in changed]
-
-    def _commit(self, rows: list[RowPlan], out: StepOutput) -> list[Request]:
-        changed = []
-        now = time.time()
-        for row, res in zip(rows, out.results, strict=True):
-            req = self.requests.get(row.req_id)
-            if req is None or req.status != Status.RUNNING:
-                continue
-            committed = False
-            for round_row, result in rounds_of(row, res):  # several rounds: one at a time
-                if req.status != Status.RUNNING:
-                    break  # stopped in an earlier round: the later rounds' tokens are dropped
-                committed |= self._commit_row(req, round_row, result, now)
-            if committed:
-                changed.append(req)
-            if req.status == Status.RUNNING:  # after all rounds: their KV is in these pages
-                self.scheduler.truncate_pages(req, self.scheduler.lookahead_tokens(row))
-        return changed
-
-    def _commit_row(self, req: Request, row: RowPlan, res: RowResult, now: float) -> bool:
-        """One row's (or round's) result into its request -> whether it committed tokens."""
-        if row.kind == RowKind.DRAFT:  # one draft per step of the row (a chain: several)
-            req.drafts += res.tokens
-            req.metrics.drafted += len(res.tokens)
-            req.metrics.decode_steps += len(res.tokens)
-            if res.verified is None:
-                return False
-            # the chain ended its round: commit the verification that followed it
-            row, res = row.verify_row(res.tokens), res.verified
-        if row.kind == RowKind.PREFILL:
-            req.num_computed += row.num_tokens
-        else:
-            self._account_verify(req, row, res)
-            # a decode chain (ar) computed the KV of all its steps' inputs
-            req.num_computed = row.start_pos + row.num_steps + res.num_accepted
-            req.drafts = []
-        if not res.tokens:
-            return False
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        self._append(req, res.tokens)
-        return True
-
-    def _account_verify(self, req: Request, row: RowPlan, res: RowResult) -> None:
-        d, a = row.num_drafts, res.num_accepted
-        m = req.metrics
-        m.decode_steps += row.num_steps
-        self.policy.on_verified(req, d, a)
-        if d == 0:
-            return
-        m.verifications += 1
-        m.accepted += a
-        m.gamma_history.append(d)
-        while len(m.drafted_by_position) < d:
-            m.drafted_by_position.append(0)
-            m.accepted_by_position.append(0)
-        for j in range(d):
-            m.drafted_by_position[j] += 1
-            m.accepted_by_position[j] += int(j < a)
-
-    def _append(self, req: Request, tokens: list[int]) -> None:
-        """Commit tokens one by one, applying stop conditions to committed tokens only."""
-        p = req.params
-        stop_ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        for token in tokens:
-            req.output_token_ids.append(token)
-            req.metrics.generated_tokens += 1
-            if token in stop_ids:
-                self._finish(req, "stop")
-                break
-            if p.stop:
-                old_len = len(req.text)
-                req.text = self.detok.update(req.decode_state, req.output_token_ids)
-                hit = self.detok.find_stop(req.text, p.stop, old_len)
-                if hit is not None:
-                    start, stop = hit
-                    req.text = req.text[: start + (len(stop) if p.include_stop_str_in_output
-                                                  else 0)]
-                    self._finish(req, "stop", decode=False)
-                    break
-            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                self._finish(req, "length")
-                break
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         self.healthy, self.error = False, message
         outputs = []
         for req in list(self.requests.values()):
             if req.status != Status.FINISHED:
-                self._finish(req, "error")
+                self.scheduler.end(req, "error")
             out = self._output(req)
             out.error = message
             outputs.append(out)
         return outputs
-
-    def _finish(self, req: Request, reason: str, decode: bool = True) -> None:
-        if decode:
-            req.text = self.detok.decode(req.output_token_ids)
-        req.metrics.finish_time = time.time()
-        self.scheduler.finish(req, reason)
 
     def _record(self, rows: list[RowPlan], out: StepOutput, **driver_times: float) -> None:
         self.step_count += 1

@@ -7,27 +7,38 @@ picks (draft / verify / idle). Waiting requests are admitted FCFS while the toke
 one) lacks for its whole prompt and one more plan (``headroom_tokens``). When pages still run
 out, a request not yet scheduled this step is preempted, the one with the least KV to
 recompute (a long prompt is the last resort): its pages are freed and it is recomputed later.
+
+After the step, ``update`` owns every change of a request's state: drafts held, tokens
+committed (stop conditions on committed tokens only), the policy's acceptance estimate, the KV
+length and the pages past it; the engine only turns what changed into outputs.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from aspire_ray.config import SchedulerConfig
-from aspire_ray.plan import RowKind, RowPlan, StepPlan
+from aspire_ray.plan import RowKind, RowPlan, RowResult, StepOutput, StepPlan, rounds_of
 from aspire_ray.spec.draft_policy import Action, DraftPolicy
 
 from .block_manager import BlockManager
+from .detokenizer import Detokenizer
 from .request import Request, Status
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, max_model_len: int, blocks: BlockManager,
-                 policy: DraftPolicy) -> None:
+                 policy: DraftPolicy, detok: Detokenizer | None = None,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """detok: text for stop strings and finished requests (None: token ids only);
+        eos_token_ids: stop tokens of the model (unless a request ignores EOS)."""
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.blocks = blocks
         self.policy = policy
+        self.detok = detok or Detokenizer(None)
+        self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._dropped: list[str] = []
@@ -59,6 +70,13 @@ class Scheduler:
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def end(self, req: Request, reason: str, decode: bool = True) -> None:
+        """``finish`` with the request's final text (decode: from all its tokens) and time."""
+        if decode:
+            req.text = self.detok.decode(req.output_token_ids)
+        req.metrics.finish_time = time.time()
+        self.finish(req, reason)
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req.req_id, req.pages)
@@ -276,6 +294,96 @@ class Scheduler:
             return None
         return RowPlan(req.req_id, RowKind.VERIFY, tokens, last, 0, [],
                        num_drafts=len(req.drafts), num_steps=1 if req.drafts else chain)
+
+    # ---- after the step ----------------------------------------------------------------------
+    def update(self, plan: StepPlan, out: StepOutput, now: float | None = None) -> list[Request]:
+        """The step's results into its running requests -> those that committed tokens (and
+        perhaps finished). A request that stopped in an earlier round of its row drops the
+        later rounds' tokens; one no longer running (aborted mid-step) is left alone."""
+        now = time.time() if now is None else now
+        running = {r.req_id: r for r in self.running}
+        changed = []
+        for row, res in zip(plan.rows, out.results, strict=True):
+            req = running.get(row.req_id)
+            if req is None:
+                continue
+            committed = False
+            for round_row, result in rounds_of(row, res):  # several rounds: one at a time
+                if req.status != Status.RUNNING:
+                    break
+                committed |= self._commit_row(req, round_row, result, now)
+            if committed:
+                changed.append(req)
+            if req.status == Status.RUNNING:  # after all rounds: their KV is in these pages
+                self.truncate_pages(req, self.lookahead_tokens(row))
+        return changed
+
+    def _commit_row(self, req: Request, row: RowPlan, res: RowResult, now: float) -> bool:
+        """One row's (or round's) result into its request -> whether it committed tokens."""
+        if row.kind == RowKind.DRAFT:  # one draft per step of the row (a chain: several)
+            req.drafts += res.tokens
+            req.metrics.drafted += len(res.tokens)
+            req.metrics.decode_steps += len(res.tokens)
+            if res.verified is None:
+                return False
+            # the chain ended its round: commit the verification that followed it
+            row, res = row.verify_row(res.tokens), res.verified
+        if row.kind == RowKind.PREFILL:
+            req.num_computed += row.num_tokens
+        else:
+            self._account_verify(req, row, res)
+            # a decode chain (ar) computed the KV of all its steps' inputs
+            req.num_computed = row.start_pos + row.num_steps + res.num_accepted
+            req.drafts = []
+        if not res.tokens:
+            return False
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        self._append(req, res.tokens)
+        return True
+
+    def _account_verify(self, req: Request, row: RowPlan, res: RowResult) -> None:
+        d, a = row.num_drafts, res.num_accepted
+        m = req.metrics
+        m.decode_steps += row.num_steps
+        self.policy.on_verified(req, d, a)
+        if d == 0:
+            return
+        m.verifications += 1
+        m.accepted += a
+        m.gamma_history.append(d)
+        while len(m.drafted_by_position) < d:
+            m.drafted_by_position.append(0)
+            m.accepted_by_position.append(0)
+        for j in range(d):
+            m.drafted_by_position[j] += 1
+            m.accepted_by_position[j] += int(j < a)
+
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        """Commit tokens one by one, applying stop conditions to committed tokens only."""
+        p = req.params
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.metrics.generated_tokens += 1
+            if token in stop_ids:
+                self.end(req, "stop")
+                break
+            if p.stop:
+                old_len = len(req.text)
+                req.text = self.detok.update(req.decode_state, req.output_token_ids)
+                hit = self.detok.find_stop(req.text, p.stop, old_len)
+                if hit is not None:
+                    start, stop = hit
+                    req.text = req.text[: start + (len(stop) if p.include_stop_str_in_output
+                                                  else 0)]
+                    self.end(req, "stop", decode=False)
+                    break
+            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self.end(req, "length")
+                break
 
     def _shortfall(self, req: Request) -> int:
         """Pages req lacks for its whole prompt (and committed tokens), its drafts and

@@ -59,12 +59,12 @@ def build_app(args: dict):
 
 def check_model_exists(args: AppArgs) -> None:
     """Fail fast (before Ray starts a replica) when engine.model cannot be found."""
-    from aspire_ray.model import loader
+    from aspire_ray.model import registry
 
     if args.engine.load_format == "dummy":
         return
     try:
-        path = Path(loader.resolve_alias(args.engine.model)).expanduser()
+        path = Path(registry.resolve_alias(args.engine.model)).expanduser()
     except FileNotFoundError as exc:
         raise ValueError(f"engine.model: {exc}") from None
     if not path.exists():

@@ -8,7 +8,7 @@ import hashlib
 import torch
 
 from aspire_ray.config import EngineConfig
-from aspire_ray.model import loader
+from aspire_ray.model import loader, registry
 from aspire_ray.model.arch import ModelArch
 from aspire_ray.model.decoder import DecoderModel
 from aspire_ray.tp import TPGroup
@@ -34,7 +34,7 @@ def load_hf_config(cfg: EngineConfig):
         overrides = dict(cfg.hf_overrides)
         model_type = overrides.pop("model_type")
         return AutoConfig.for_model(model_type, **overrides)
-    source = loader.resolve(cfg.model, "auto" if cfg.load_format == "dummy" else cfg.load_format)
+    source = registry.resolve(cfg.model, "auto" if cfg.load_format == "dummy" else cfg.load_format)
     return loader.load_hf_config(source.hf_dir, cfg.hf_overrides)
 
 
@@ -87,7 +87,7 @@ def build_model(cfg: EngineConfig, tp: TPGroup, device: torch.device) -> Decoder
     if cfg.load_format == "dummy":
         weights = dummy_weights(arch, cfg.seed, device, dtype)
     else:
-        source = loader.resolve(cfg.model, cfg.load_format)
+        source = registry.resolve(cfg.model, cfg.load_format)
         weights = loader.iter_safetensors(source.hf_dir)
     loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters()}
