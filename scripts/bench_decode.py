@@ -16,6 +16,7 @@ random weights on random-token prompts: step costs are the real ones, acceptance
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -26,7 +27,7 @@ import time
 
 from bench_tp import SHAPES
 from traces import TraceRecorder, Traces, engine_meta
-from workloads import long_context_prompts, short_prompts
+from workloads import heterogeneous_requests, long_context_prompts, short_prompts
 
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SpecConfig
@@ -141,8 +142,8 @@ def prefill_batch(engine, prompts: list[list[int]],
     return ids, finished
 
 
-def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str,
-               window: str = "steady") -> dict:  # fmt: skip
+def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+               desc: str, window: str = "steady") -> dict:  # fmt: skip
     """Prefill everything, then time the decode phase.
 
     window "steady": the clock stops when the first request finishes, so every row of the
@@ -153,11 +154,12 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc:
     the end (acceptance and greedy-match statistics cover whole outputs).
     """
     engine = llm.engine
-    ids, finished = prefill_batch(engine, prompts, params, desc)
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids, finished = prefill_batch(engine, prompts, each, desc)
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     committed_before = _committed(engine, finished)
     done_before = len(finished)
-    bar = _progress(len(prompts) * params.max_tokens, desc)
+    bar = _progress(sum(p.max_tokens for p in each), desc)
     t0 = time.perf_counter()
     elapsed = None
     while engine.has_unfinished():
@@ -218,7 +220,25 @@ def summarize(mode: str, run: dict, ar_tps: float | None) -> dict:
         "gamma_histogram": hist, "gamma_mean": statistics.mean(gammas) if gammas else 0.0,
         "breakdown": run["breakdown"],
         "token_ids": [o.token_ids for o in outs],
+        **({"by_domain": by_domain(outs, run["domains"])} if run.get("domains") else {}),
     }
+
+
+def by_domain(outs, domains: list[str]) -> dict[str, dict]:
+    """Per domain of a mixed workload: its requests' accepted length and draft length (the
+    step times are shared, so throughput is the batch's alone)."""
+    out = {}
+    for domain in sorted(set(domains)):
+        ms = [o.metrics for o, d in zip(outs, domains, strict=True) if d == domain]
+        verifications = sum(m.verifications for m in ms)
+        gammas = [g for m in ms for g in m.gamma_history]
+        out[domain] = {
+            "requests": len(ms), "tokens": sum(m.generated_tokens for m in ms),
+            "mean_accepted_length": (sum(m.accepted for m in ms) + verifications) / verifications
+            if verifications else 1.0,
+            "gamma_mean": statistics.mean(gammas) if gammas else 0.0,
+        }
+    return out
 
 
 def main() -> None:
@@ -230,7 +250,12 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--modes", default=MODES)
     p.add_argument("--contexts", default="2048,4096,8000",
-                   help="prompt lengths; 'short' = chat prompts asking for long answers")
+                   help="prompt lengths; 'short' = chat prompts asking for long answers; 'mix' = "
+                        "the heterogeneous workload (workloads.heterogeneous_requests: code, "
+                        "docs, prose, tables, HumanEval; lengths from --mix-contexts, new tokens "
+                        "from --mix-max-tokens, not --max-tokens)")
+    p.add_argument("--mix-contexts", default="4096,32768", help="'mix': prompt tokens, lo,hi")
+    p.add_argument("--mix-max-tokens", default="256,2048", help="'mix': new tokens, lo,hi")
     p.add_argument("--batch", default="64",
                    help="requests decoded together; 'max': the most the KV pool holds (<= 1024)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -256,10 +281,14 @@ def main() -> None:
     extra = {"cuda_graphs": not args.no_cuda_graphs}
     if args.gamma is not None:
         extra["gamma"] = args.gamma
+    if "mix" in args.contexts.split(",") and (args.dummy_shapes or args.batch == "max"):
+        p.error("--contexts mix: real text and a numeric --batch (not --dummy-shapes, --batch max)")
+    mix_ctx, mix_gen = (tuple(int(x) for x in v.split(","))
+                        for v in (args.mix_contexts, args.mix_max_tokens))
     if args.dummy_shapes:
         if args.batch == "max":
             p.error("--batch max sizes the batch by the KV pool: not with --dummy-shapes")
-        longest = max(int(c) for c in args.contexts.split(",") if c != "short")
+        longest = max(int(c) for c in args.contexts.split(",") if c not in ("short", "mix"))
         pages_per_request = -(-(longest + args.max_tokens + 64) // 16)
         extra.update(model="dummy", load_format="dummy",
                      hf_overrides=DUMMY_SHAPES[args.dummy_shapes],
@@ -280,24 +309,33 @@ def main() -> None:
                 batch = int(args.batch)
             elif mode == modes[0]:  # every mode of a context decodes the same batch
                 batch = largest_batch(llm, ctx, args)
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    seed=0, ignore_eos=True)
+            domains = None
             if args.dummy_shapes:
                 prompts = random_prompts(batch, int(ctx), llm.engine.info.vocab_size)
             elif ctx == "short":
                 prompts = short_prompts(tok, batch)
+            elif ctx == "mix":
+                work = heterogeneous_requests(tok, batch, seed=0, context_tokens=mix_ctx,
+                                              max_tokens=mix_gen)  # fmt: skip
+                prompts, domains = [w.prompt_ids for w in work], [w.domain for w in work]
+                params = [dataclasses.replace(params, max_tokens=w.max_tokens) for w in work]
             else:
                 prompts = long_context_prompts(tok, batch, int(ctx))
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    seed=0, ignore_eos=True)
             warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
             decode_run(llm, prompts[: min(4, len(prompts))], warm, f"warmup-{mode}")
             for rep in range(args.repeats):
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
                                                  args.window))
+                per_mode[mode][-1]["domains"] = domains
                 if recorder is not None:
                     recorder.detach()
                     traces.add_run(mode, {}, per_mode[mode][-1]["outs"], recorder)
                     traces.meta = dict(engine_meta(llm.engine), context=ctx)
+                    for rt, domain in zip(traces.requests, domains or [], strict=False):
+                        rt.domain = domain
             info = llm.engine.info
             llm.shutdown()
             del llm

@@ -138,3 +138,20 @@ def test_the_repo_kernels_dir_never_shadows_the_pypi_kernels_package(tmp_path):
     # this fake, or the real PyPI package where it is installed (as transformers 5.25 does)
     found = Path(out.stdout.strip()).resolve()
     assert found.name == "__init__.py" and repo not in found.parents, found
+
+
+def test_one_layer_loop():
+    """A decoder layer runs as pre-attention -> attention -> post-attention, and only
+    ``DecoderModel.span`` calls those pieces: the eager forward, the piecewise graphs and the
+    whole-step graphs all run layers through it (issue 19: once, each wrote its own loop)."""
+    callers = set()
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in ("pre_attention", "post_attention"):  # fmt: skip
+                    callers.add(f"{name}.{fn.name}")
+    assert callers == {"aspire_ray.model.decoder.span"}

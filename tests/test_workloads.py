@@ -103,3 +103,26 @@ def test_bench_decode_records_traces(tmp_path):
         # accepted round, and the last (no room for drafts: a round commits d + 1 tokens)
         assert len(bits) == 10 and set(bits) <= set("01?") and bits[0] == "?"
         assert all(bits[j - 1] == "1" for j in range(1, 9) if bits[j] == "?"), bits
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_decode_runs_the_mix(tmp_path):
+    """`--contexts mix`: the heterogeneous requests, each with its own generation length, and
+    each domain's acceptance reported beside the batch's."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPTS / "bench_decode.py"), "--device", "cpu", "--dtype",
+           "float32", "--contexts", "mix", "--mix-contexts", "200,400", "--mix-max-tokens",
+           "6,12", "--batch", "3", "--modes", "ar,aspire", "--window", "drain",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"ar", "aspire"}
+    for r in results.values():
+        assert r["context"] == "mix" and r["batch"] == 3
+        domains = r["by_domain"]
+        assert sum(d["requests"] for d in domains.values()) == 3
+        assert 3 * 6 <= sum(d["tokens"] for d in domains.values()) <= 3 * 12
+    assert results["aspire"]["greedy_token_match_vs_ar"] == 1.0  # fp32: exact
