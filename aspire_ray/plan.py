@@ -174,12 +174,36 @@ class RowResult:
     rounds: list[RowResult] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepTimings:
+    """Worker-side seconds of one step (rank 0's clock). A step that syncs with the device
+    once at its end (a chain, rounds, an asynchronous run) reports the host's wait as
+    ``forward`` and the rest of its time as ``prepare``."""
+
+    prepare: float = 0.0  # planning and uploads, before the forward
+    forward: float = 0.0  # the forward(s), to the device sync
+    sample: float = 0.0  # sampling and verification on the logits
+    refresh: float = 0.0  # host time of the refresh layer's page scoring (within forward)
+    total: float | None = None  # the whole step; None: not timed (no cost-model sample)
+
+    @property
+    def measured(self) -> bool:
+        return self.total is not None
+
+    def as_dict(self) -> dict[str, float]:
+        """name -> seconds, for sums and JSON: ``total`` only where the step was timed."""
+        out = {"prepare": self.prepare, "forward": self.forward, "sample": self.sample,
+               "refresh": self.refresh}  # fmt: skip
+        if self.total is not None:
+            out["total"] = self.total
+        return out
+
+
 @dataclass
 class StepOutput:
     step_id: int
     results: list[RowResult]
-    # seconds: "forward", "sample", "prepare", "total" (worker-side)
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)  # default: not timed
 
 
 def rounds_of(row: RowPlan, res: RowResult) -> Iterator[tuple[RowPlan, RowResult]]:

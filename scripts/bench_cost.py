@@ -75,7 +75,7 @@ def time_plan(runner: SweepRunner, kind: str, ids: list[str], ctx: int, args) ->
         sync()
         if i >= 2:
             walls.append(time.perf_counter() - t0)
-            fwds.append(out.timings["forward"])
+            fwds.append(out.timings.forward)
     return {"wall_ms": 1e3 * statistics.median(walls), "forward_ms": 1e3 * statistics.median(fwds)}
 
 

@@ -68,7 +68,7 @@ class Recorder:
             Row("verify", v.context_len, v.num_tokens, v.num_drafts, 1, True, r.num_rounds)
             for r, v in ((r, r.verify_row([0] * r.num_steps)) for r in plan.rows if r.verify_after)
         ]
-        self.steps.append((rows, dict(out.timings)))
+        self.steps.append((rows, out.timings.as_dict()))
         return out
 
     def __getattr__(self, name):

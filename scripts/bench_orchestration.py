@@ -1,6 +1,6 @@
 """Per-step orchestration cost of the Ray executor: driver -> shard workers -> driver.
 
-overhead = (driver wall time of ``executor.execute(plan)``) - (rank 0's own timings["total"]),
+overhead = (driver wall time of ``executor.execute(plan)``) - (rank 0's own ``timings.total``),
 i.e. everything that is not the worker's step: plan serialisation, the hop to every rank, the
 wait for the slowest rank, and the output's way back. Measured for both transports (Ray
 Compiled Graph and plain ``actor.execute.remote`` + ``ray.get``) on decode steps (one verify
@@ -43,8 +43,8 @@ def measure(executor: RayExecutor, runner: SweepRunner, ids: list[str], context:
         wall = time.perf_counter() - t0
         if i >= warmup:
             total.append(wall)
-            worker.append(out.timings["total"])
-            overhead.append(wall - out.timings["total"])
+            worker.append(out.timings.total)
+            overhead.append(wall - out.timings.total)
     med_total = statistics.median(total)
     return {
         "overhead_median_ms": 1e3 * statistics.median(overhead),

@@ -40,7 +40,15 @@ from aspire_ray.config import SpecConfig
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.executor.base import Executor
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, RowPlan, RowResult, ShardInfo, StepOutput, StepPlan
+from aspire_ray.plan import (
+    RowKind,
+    RowPlan,
+    RowResult,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    StepTimings,
+)
 from aspire_ray.spec.cost_model import CostCoefficients, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 from aspire_ray.worker.async_runs import AsyncTrack
@@ -155,7 +163,7 @@ class TraceExecutor(Executor):
                 *self.policy.run_features(plan.rows), chained=True)  # fmt: skip
             self.worker_s += seconds
             self.host_s += self.costs.host_per_plan
-            return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+            return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
         # each round: its chain's steps (priced at the plan's first context), its verification
         steps = max(r.num_steps for r in plan.rows)
         rounds = max(r.num_rounds for r in plan.rows)
@@ -166,7 +174,7 @@ class TraceExecutor(Executor):
             seconds += self.costs.worker_seconds(*self.policy.step_features(vrows))
         self.worker_s += seconds
         self.host_s += self.costs.host_per_plan
-        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+        return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
 
 
 def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = None,

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from aspire_ray.executor.base import Executor
-from aspire_ray.plan import RowKind, RowResult, ShardInfo, StepOutput, StepPlan
+from aspire_ray.plan import RowKind, RowResult, ShardInfo, StepOutput, StepPlan, StepTimings
 from aspire_ray.spec.draft_policy import DraftPolicy
 from aspire_ray.worker.async_runs import AsyncTrack
 
@@ -82,7 +82,7 @@ class FakeExecutor(Executor):
             seconds = plan.rows[0].num_steps * self.seconds(*self.policy.run_features(plan.rows))
         else:
             seconds = self.seconds(*self.policy.step_features(plan.rows))
-        return StepOutput(plan.step_id, results, {"forward": seconds, "total": seconds})
+        return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
 
     def _verify(self, row) -> RowResult:
         a = row.num_drafts if self.accept else 0

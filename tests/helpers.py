@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -96,6 +97,7 @@ def use_eager_graphs(engine: LLMEngine, draft_graphs: bool = True, graph_tokens:
 
     w = engine.executor.worker
     w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages))
+    w.step_resources = replace(w.step_resources, backend=w.backend)  # planning's backend too
     w.graphs = PiecewiseGraphs(w.model, w.backend, graph_tokens, w.device, EagerGraph)
     split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
     w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)

@@ -3,6 +3,8 @@ captured pieces, so bucketing, padding, static buffers and the piece split are w
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers import random_prompts, run_staggered
 
@@ -63,6 +65,7 @@ def _run_triton(model_dir, mode, whole: bool):
     w = engine.executor.worker
     # small chunks: rows split, so the fixed plans' merge and partial buffers are exercised
     w.backend = TritonBackend(AttentionConfig(min_chunk_pages=1, waves=2.0))
+    w.step_resources = replace(w.step_resources, backend=w.backend)  # planning's backend too
     if whole:
         w.graphs = PiecewiseGraphs(w.model, w.backend, 16, w.device, EagerGraph)
         split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None

@@ -33,6 +33,9 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool =
         out = execute(plan)
         drafts.extend((r.req_id, tuple(r.tokens)) for r in out.results
                       if r.kind == RowKind.DRAFT or len(r.tokens) > 1)  # drafts; decode chains
+        # a pending q owns its own [V] row only (not a view of a step's [S, V] gather)
+        assert all(q.untyped_storage().nbytes() == q.numel() * q.element_size()
+                   for req in w.requests.values() for q in req.draft_probs)  # fmt: skip
         return out
 
     w.execute = recording

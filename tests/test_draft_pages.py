@@ -93,38 +93,39 @@ def test_engine_lists_match_per_row_policy(tiny_model_dir, monkeypatch, mode):
     """Every draft row of every step, before and after the refresh layer, lists exactly the
     pages ``TopKPages.select`` picks from the request's scores at that moment."""
     checked = {"pre": 0, "post": 0}
+    cfg = build_engine_config(tiny_model_dir("llama"), spec_mode=mode,
+                              max_num_batched_tokens=64, num_pages=120, **SPARSE)  # fmt: skip
+    engine = LLMEngine(cfg)
+    w = engine.executor.worker  # its requests' scores; planning itself never sees the Worker
 
     class Checked(step_batch.StepBatch):
-        def __init__(self, w, rows, graph_inputs=None, device_tokens=None, shift=0):
+        def __init__(self, resources, rows, *args, shift=0, **kwargs):
             before = {r.req_id: _scores(w.requests[r.req_id]) for r in rows}
             self.shift = shift  # a draft chain's step
-            super().__init__(w, rows, graph_inputs, device_tokens, shift)
+            super().__init__(resources, rows, *args, shift=shift, **kwargs)
             self._check(self.attention.meta_pre, before, "pre")
 
         def _apply_scores(self, page_scores):
             meta = super()._apply_scores(page_scores)
-            after = {r.req_id: _scores(self.worker.requests[r.req_id]) for r in self.rows}
+            after = {r.req_id: _scores(w.requests[r.req_id]) for r in self.rows}
             self._check(meta, after, "post")
             return meta
 
         def _check(self, meta, scores, when):
-            kvp, ps = meta.kv_indptr_host, self.worker.page_size
+            kvp, ps = meta.kv_indptr_host, self.resources.page_size
             for r, row in enumerate(self.rows):
                 if row.kind != worker.RowKind.DRAFT:
                     continue
-                w = self.worker
-                bt = w.page_table.host[w.requests[row.req_id].slot].tolist()
+                bt = self.resources.page_table.host[w.requests[row.req_id].slot].tolist()
                 pages = -(-(row.context_len + self.shift) // ps)
-                chosen = self.worker.selector.select(scores[row.req_id], pages)
+                chosen = self.resources.selector.select(scores[row.req_id], pages)
                 assert meta.kv_indices[kvp[r] : kvp[r + 1]].tolist() == [bt[j] for j in chosen]
                 checked[when] += 1
 
     monkeypatch.setattr(worker, "StepBatch", Checked)
-    cfg = build_engine_config(tiny_model_dir("llama"), spec_mode=mode,
-                              max_num_batched_tokens=64, num_pages=120, **SPARSE)  # fmt: skip
     prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=3)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4
-    run_staggered(LLMEngine(cfg), prompts, params, arrive_every=3)
+    run_staggered(engine, prompts, params, arrive_every=3)
     assert checked["pre"] > 10 and checked["post"] > 10
 
 

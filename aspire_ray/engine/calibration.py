@@ -59,7 +59,7 @@ class CalibratedEngine(Protocol):
     cost_model: CostModel
     max_model_len: int
 
-# 2: samples are whole worker steps (timings["total"]), not the forward;
+# 2: samples are whole worker steps (StepTimings.total), not the forward;
 # 3: a draft row's kv_tokens include its refresh-layer full-list read (KVReads);
 # 4: a verify row's kv_tokens count one read per query tile of its queries
 FORMAT_VERSION = 4
@@ -328,7 +328,7 @@ class SweepRunner:
         return self.policy.step_features(plan.rows)
 
     def _timed(self, plan: StepPlan) -> tuple[float, float, float]:
-        times = sorted(self._execute(plan).timings["total"]
+        times = sorted(self._execute(plan).timings.total
                        for _ in range(self.sweep.repeats))
         n, kv = self.features(plan)
         return float(n), float(kv), float(times[len(times) // 2])

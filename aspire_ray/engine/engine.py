@@ -164,7 +164,8 @@ class LLMEngine:
 
     def _record(self, rows: list[RowPlan], out: StepOutput, **driver_times: float) -> None:
         self.step_count += 1
-        for k, v in {**driver_times, **out.timings}.items():
+        timed = out.timings  # StepTimings: the worker's seconds
+        for k, v in {**driver_times, **timed.as_dict()}.items():
             self.timings[k] += v
         kinds = {row.kind for row in rows}
         label = "+".join(sorted(k.name.lower() for k in kinds)) or "empty"
@@ -175,14 +176,14 @@ class LLMEngine:
             # a chain and the verification after it, one plan (or several rounds of them)
             label, steps = "round", max(row.num_rounds for row in rows)
         self.step_kinds[label] += steps
-        self.step_seconds[label] += out.timings.get("total", 0.0)
+        self.step_seconds[label] += timed.total or 0.0
         # tau is the whole worker step: a draft step's page selection, refresh and sampling
         # are part of what drafting costs (~1.7 ms outside the forward at batch 64, H200)
-        if rows and "total" in out.timings and label != "round":
+        if rows and timed.measured and label != "round":
             # an asynchronous run: its mean step, a point on the same linear model
             n_tokens, kv = self.policy.run_features(rows) if label == "async" else \
                 self.policy.step_features(rows)  # fmt: skip
-            seconds = out.timings["total"] / steps
+            seconds = timed.total / steps
             model = self.cost_model
             kind = "mixed" if label == "async" else _cost_kind(kinds)
             model.errors.record(kind, model.predict(n_tokens, kv), seconds)

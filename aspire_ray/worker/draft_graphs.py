@@ -282,22 +282,24 @@ class DraftStepGraphs:
 
     def run(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
             scored: list[bool], steps: int, kv_caches: list[torch.Tensor],
-            keep_q: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            keep_q: bool = True) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Replay ``steps`` steps of ``rows`` (rows of one query; their pages in the page
         table; specs: their sampling; slots: their page-table slots; scored: whether their
         requests have page scores) -> (each step's tokens, int64 [R]; with keep_q, each step's
-        q of the sampled rows, float32 [S, V] in row order), on the device, no sync."""
+        q of the sampled rows in row order, float32 [V] each), on the device, no sync."""
         n, variant = self._load(rows, specs, slots, scored, kv_caches)
         r = len(rows)
-        keep_q &= variant is not None
-        if keep_q:
-            at = upload(np.nonzero([not spec.greedy for spec in specs])[0], self.pieces.device)
+        sampled = [i for i, spec in enumerate(specs) if not spec.greedy] \
+            if keep_q and variant is not None else []  # fmt: skip
         drafts, qs = [], []
         for _ in range(steps):
             self.graphs[n, variant].replay()
             drafts.append(self.state[n][0, :r].clone())
-            if keep_q:
-                qs.append(self.probs[n, variant][at])  # a copy: the graph rewrites its buffer
+            if sampled:
+                # a copy per row: the graph rewrites its buffer, and each q waits alone for its
+                # request's verification (a shared [S, V] copy would live until the last one)
+                probs = self.probs[n, variant]
+                qs.append([probs[i].clone() for i in sampled])
         self.steps += steps
         return drafts, qs
 

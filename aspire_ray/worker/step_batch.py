@@ -15,40 +15,20 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from aspire_ray.attention import AttentionBackend
-from aspire_ray.config import EngineConfig
 from aspire_ray.kernels.host import offsets, ragged_arange, upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowKind, RowPlan
-from aspire_ray.tp import TPGroup
 
-from .draft_pages import PageScoreTable, choose_top_pages
-from .page_selector import PageSelector
-from .page_table import PageTable, ragged_rows
+from .draft_pages import choose_top_pages
+from .page_table import ragged_rows
 from .step_attention import ScoringQueries, StepAttention
-
-
-class StepContext(Protocol):
-    """What a step's planning reads of its shard (the Worker is one): the tables it gathers
-    from, the page policy, the attention backend. ``requests`` maps request ids to objects with
-    ``slot`` and ``scored_pages``; planning sets ``scored_pages`` of the rows it scores."""
-
-    cfg: EngineConfig
-    device: torch.device
-    page_size: int
-    page_table: PageTable
-    scores: PageScoreTable | None
-    selector: PageSelector | None
-    backend: AttentionBackend
-    tp: TPGroup
-    refresh_layer: int
-    requests: dict[str, Any]
+from .step_resources import StepResources
 
 _VERIFY, _DRAFT, _PREFILL = int(RowKind.VERIFY), int(RowKind.DRAFT), int(RowKind.PREFILL)
 
@@ -103,29 +83,35 @@ class _Lists:
 class StepBatch:
     """Flattened inputs and the attention plan of one step.
 
-    tokens: int64 [3, n] on the device (ids, positions, KV slots), n = T real tokens or the
-    padded graph bucket (ids 0, positions 0, slots -1 past T); input_ids, positions and
-    slot_mapping are its [T] views. logit_index: int32 [N] tokens whose logits are needed;
-    logit_offsets: [R + 1] host offsets of each row's logits among them. device_tokens:
+    Inputs. resources: the shard's tables and policies, the only shard state planning reads
+    (it writes page scores, through them). slots: [R] each row's page-table slot. scored: [R]
+    whether the row's request holds page scores (a draft row's top-k middle is then chosen
+    from them before the first layer, not only after the refresh layer). device_tokens:
     (index [M], ids [M]), int64 on the device: input tokens replaced after the upload (the
-    rows' host token ids there are placeholders); shift: added to every row's start_pos (step
-    s of a draft chain plans its rows with shift s).
+    rows' host token ids there are placeholders); shift: added to every row's start_pos
+    (step s of a draft chain plans its rows with shift s).
+
+    Outputs. tokens: int64 [3, n] on the device (ids, positions, KV slots), n = T real tokens
+    or the padded graph bucket (ids 0, positions 0, slots -1 past T); input_ids, positions and
+    slot_mapping are its [T] views. logit_index: int32 [N] tokens whose logits are needed;
+    logit_offsets: [R + 1] host offsets of each row's logits among them. scored_now: row ->
+    the pages the refresh layer scores for it in this step (its request's scored pages from
+    then on: the caller, which owns the requests, records them).
     """
 
-    def __init__(self, worker: StepContext, rows: list[RowPlan],
-                 graph_inputs: torch.Tensor | None = None,
+    def __init__(self, resources: StepResources, rows: list[RowPlan], slots: Sequence[int],
+                 scored: Sequence[bool], graph_inputs: torch.Tensor | None = None,
                  device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
                  shift: int = 0) -> None:  # fmt: skip
-        self.worker, self.rows = worker, rows
-        ps, dev, table = worker.page_size, worker.device, worker.page_table
+        self.resources, self.rows = resources, rows
+        ps, dev, table = resources.page_size, resources.device, resources.page_table
         table.flush()  # the block tables' deltas reach the device before any gather
-        reqs = [worker.requests[row.req_id] for row in rows]
         nr = len(rows)
         n = np.fromiter((row.num_tokens for row in rows), np.int64, nr)
         start = np.fromiter((row.start_pos for row in rows), np.int64, nr) + shift
         kind = np.fromiter((int(row.kind) for row in rows), np.int64, nr)
         sample = np.fromiter((row.sample for row in rows), bool, nr)
-        slot = np.fromiter((req.slot for req in reqs), np.int64, nr)
+        slot = np.fromiter(slots, np.int64, nr)
         ctx = start + n
         pages = (ctx + ps - 1) // ps
         short = np.nonzero(pages > table.sizes[slot])[0]
@@ -160,24 +146,20 @@ class StepBatch:
         h_slot = up.add(slot)
         full_lists = _Lists(n, pages, last, (up.add(tok_kvp), up.add(offsets(pages)), up.add(last)),
                             h_slot, up.add(pages))  # fmt: skip
-        selector, spec = worker.selector, worker.cfg.spec
         draft = kind == _DRAFT
         self.has_drafts = bool(draft.any())
-        if worker.scores is not None:
-            worker.scores.ensure_slots(table.slots)
-            worker.scores.ensure_width(int(pages.max()))
+        resources.reserve_scores(table.slots, int(pages.max()))
         scoring = None
-        if selector is not None and selector.uses_scores:
+        if resources.scoring:
             scoring = self._plan_scoring(up, slot, n, kind, sample, ctx,
-                                         spec.refresh_while_drafting)  # fmt: skip
+                                         resources.refresh_while_drafting)  # fmt: skip
         sparse = None
         if self.has_drafts:
             scored_rows = scoring[-1] if scoring is not None else np.zeros(nr, bool)
-            sparse = self._plan_sparse(up, reqs, slot, draft, n, pages, last, full_lists,
-                                       scored_rows)  # fmt: skip
-        if scoring is not None:  # after _plan_sparse, which reads the scores held before
-            for r in np.nonzero(scoring[-1])[0].tolist():
-                reqs[r].scored_pages = int(pages[r])
+            sparse = self._plan_sparse(up, np.asarray(scored, bool), slot, draft, n, pages,
+                                       last, full_lists, scored_rows)  # fmt: skip
+        self.scored_now: dict[int, int] = {} if scoring is None else {
+            r: int(pages[r]) for r in np.nonzero(scoring[-1])[0].tolist()}  # fmt: skip
 
         tensors = up.send(dev)
         self.logit_index = tensors[h_logits]
@@ -206,11 +188,11 @@ class StepBatch:
             q_slot = tensors[q_lists.slots].long()[row]
             queries = ScoringQueries(tensors[h_idx],
                                      q_lists.meta(tensors, pages_by_slot[q_slot, j], ps))
-            dest = q_slot * worker.scores.width + j
+            dest = q_slot * resources.scores.width + j
             self._store = (dest, tensors[h_slots], tensors[h_count].float())
-        refresh_full = spec.refresh_while_drafting or not self.has_drafts
+        refresh_full = resources.refresh_while_drafting or not self.has_drafts
         self.attention = StepAttention(
-            worker.backend, worker.tp, self.slot_mapping, meta_pre, worker.refresh_layer,
+            resources.backend, resources.tp, self.slot_mapping, meta_pre, resources.refresh_layer,
             meta_refresh=meta_full if refresh_full else meta_pre, scoring=queries,
             on_scores=self._apply_scores if queries is not None else None,
         )
@@ -221,7 +203,7 @@ class StepBatch:
         scores go in the table. Draft rows (when refreshing while drafting): their one query;
         verify rows: first and last query (averaged); sampling prefill rows: the last token.
         Each query lists the pages it sees, gathered on the device."""
-        ps = self.worker.page_size
+        ps = self.resources.page_size
         two = (kind == _VERIFY) & (n > 1)
         one = ((kind == _DRAFT) & score_drafts) | ((kind == _PREFILL) & sample) | \
             ((kind == _VERIFY) & (n == 1))  # fmt: skip
@@ -241,11 +223,12 @@ class StepBatch:
         return (up.add(tok_kvp[q_row] + local), q_lists, up.add(slot[owners]),
                 up.add(n_q[owners]), n_q > 0)
 
-    def _plan_sparse(self, up, reqs, slot, draft, n, pages, last, full_lists, scored_rows):
+    def _plan_sparse(self, up, scored, slot, draft, n, pages, last, full_lists, scored_rows):
         """Draft rows' lists from the policy's layout, full lists for the other rows: the
         layout per row (gathered on the device) and, if some row has a top-k middle, what the
-        device choice needs."""
-        head_end, n_top, tail_start = self.worker.selector.layout(pages)
+        device choice needs. scored: [R] bool, the rows' requests have scores before this step;
+        scored_rows: [R] bool, the refresh layer scores them in this step."""
+        head_end, n_top, tail_start = self.resources.selector.layout(pages)
         head_end = np.where(draft, head_end, pages)
         n_top = np.where(draft, n_top, 0)
         tail_start = np.where(draft, tail_start, pages)
@@ -258,7 +241,7 @@ class StepBatch:
         top = np.nonzero(n_top > 0)[0]
         if len(top) == 0:
             return lists, layout, None
-        has_pre = np.fromiter((reqs[r].scored_pages > 0 for r in top.tolist()), bool, len(top))
+        has_pre = scored[top]
         n_cand = tail_start[top] - head_end[top]
         info = np.stack([slot[top], n_cand, n_top[top], sparse_kvp[top] + head_end[top]])
         # after the refresh layer only rows whose request it scored can change
@@ -269,13 +252,14 @@ class StepBatch:
     # ---- device choice -------------------------------------------------------------------------
     def _choose(self, template: torch.Tensor, has_scores: torch.Tensor) -> torch.Tensor:
         rows, first, max_cand = self._top
-        return choose_top_pages(template, self.worker.page_table.table, self.worker.scores,
-                                rows, has_scores, first, max_cand)  # fmt: skip
+        return choose_top_pages(template, self.resources.page_table.table,
+                                self.resources.scores, rows, has_scores, first,
+                                max_cand)  # fmt: skip
 
     def _apply_scores(self, page_scores: torch.Tensor) -> PagedKVMeta:
         """Store the scored requests' page scores; re-choose the draft rows' pages that changed."""
         t0 = time.perf_counter()
-        self.worker.scores.store(page_scores, *self._store)
+        self.resources.store_scores(page_scores, *self._store)
         meta = self.attention.meta_pre
         if self._top is not None and self._has_post is not None:
             meta = replace(meta, kv_indices=self._choose(self._template, self._has_post))

@@ -31,6 +31,7 @@ from aspire_ray.plan import (
     ShardInfo,
     StepOutput,
     StepPlan,
+    StepTimings,
     Stream,
 )
 from aspire_ray.tp import TPGroup, single_rank
@@ -47,6 +48,7 @@ from .page_table import PageTable
 from .round_runs import StartedRound, graph_rounds
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
+from .step_resources import StepResources
 
 logger = logging.getLogger(__name__)
 MAX_GRAPH_TOKENS = 1024  # steps of more tokens (long prefill chunks) run the eager forward
@@ -92,6 +94,10 @@ class Worker:
         self.page_table = PageTable(self.device, width, slots)
         self.scores = PageScoreTable(self.device, width, slots) \
             if self.selector is not None and self.selector.uses_scores else None  # fmt: skip
+        # all that a step's planning (StepBatch) reads of this shard: these same objects
+        self.step_resources = StepResources(
+            self.device, self.page_size, self.page_table, self.scores, self.selector,
+            self.backend, self.tp, self.refresh_layer, cfg.spec.refresh_while_drafting)
         self.graphs = self._graphs()
         self.step_graphs = self._step_graphs()
         self.draft_graphs = self._draft_graphs()
@@ -233,15 +239,10 @@ class Worker:
         if self.draft_graphs is not None:
             started_round, self.draft_graphs.started = self.draft_graphs.started, None
         if not plan.rows:
-            total = time.perf_counter() - t0
-            return StepOutput(plan.step_id, [], {"prepare": total, "forward": 0.0, "sample": 0.0,
-                                                 "total": total, "refresh": 0.0})
+            return StepOutput(plan.step_id, [], _synced_once(t0, wait=0.0))
         if plan.rows[0].async_gamma is not None:
             results, wait, refresh = run_async(self, plan.rows)
-            total = time.perf_counter() - t0
-            return StepOutput(plan.step_id, results, {"prepare": total - wait, "forward": wait,
-                                                      "sample": 0.0, "total": total,
-                                                      "refresh": refresh})  # fmt: skip
+            return StepOutput(plan.step_id, results, _synced_once(t0, wait, refresh))
         steps = max(row.num_steps for row in plan.rows)
         if steps > 1 or plan.rows[0].verify_after is not None:
             return self._execute_chain(plan.step_id, plan.rows, steps, t0, started_round)
@@ -251,8 +252,8 @@ class Worker:
         results = self._sample(plan.rows, logits, batch.logit_offsets)
         self._sync()
         t3 = time.perf_counter()
-        timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "total": t3 - t0,
-                   "refresh": batch.attention.refresh_seconds}
+        timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
+                              refresh=batch.attention.refresh_seconds, total=t3 - t0)
         return StepOutput(plan.step_id, results, timings)
 
     def _forward(self, rows: list[RowPlan], device_tokens=None, shift: int = 0):
@@ -268,7 +269,12 @@ class Worker:
         whole = bucket is not None and self.step_graphs is not None and decode \
             and self.step_graphs.ensure(bucket, self.kv_caches)  # fmt: skip
         graph_inputs = self.graphs.inputs_for(bucket, self.kv_caches) if bucket else None
-        batch = StepBatch(self, rows, graph_inputs, device_tokens, shift)
+        reqs = [self.requests[row.req_id] for row in rows]
+        batch = StepBatch(self.step_resources, rows, [req.slot for req in reqs],
+                          [req.scored_pages > 0 for req in reqs], graph_inputs=graph_inputs,
+                          device_tokens=device_tokens, shift=shift)  # fmt: skip
+        for r, pages in batch.scored_now.items():  # their scores once the refresh layer ran
+            reqs[r].scored_pages = pages
         t1 = time.perf_counter()
         if whole and self.step_graphs.load(bucket, batch.attention):
             hidden = self.step_graphs.run(bucket, num_tokens, batch.attention, self.kv_caches)
@@ -308,9 +314,7 @@ class Worker:
         graphs, specs = self.draft_graphs, [self.requests[row.req_id].sampling for row in rows]
         if verify and graphs is not None and graphs.verifies(rows, specs, steps):
             results, wait = graph_rounds(self, rows, specs, steps, rounds, started_round)
-            total = time.perf_counter() - t0
-            return StepOutput(step_id, results, {"prepare": total - wait, "forward": wait,
-                                                 "sample": 0.0, "total": total, "refresh": 0.0})
+            return StepOutput(step_id, results, _synced_once(t0, wait))
         results, refresh, wait = self._chain_round(rows, steps, verify)
         last = results
         for _ in range(rounds - 1):  # the next round starts after each row's committed tokens
@@ -320,10 +324,7 @@ class Worker:
             refresh, wait = refresh + more_refresh, wait + more_wait
             for first, res in zip(results, last, strict=True):
                 first.rounds.append(res)
-        total = time.perf_counter() - t0
-        timings = {"prepare": total - wait, "forward": wait, "sample": 0.0, "total": total,
-                   "refresh": refresh}
-        return StepOutput(step_id, results, timings)
+        return StepOutput(step_id, results, _synced_once(t0, wait, refresh))
 
     def _chain_round(self, rows: list[RowPlan], steps: int,
                      verify: bool) -> tuple[list[RowResult], float, float]:  # fmt: skip
@@ -378,13 +379,14 @@ class Worker:
                  if not self.requests[row.req_id].sampling.greedy]  # fmt: skip
         dev = probs.device
         at = sampler.i64(which, dev)
-        q = probs[at]  # a copy: see _sampled_draft_probs
+        q = probs[at]  # [k, V], the sampled rows
         seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
         positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
         tokens = tokens.index_copy(0, at, sampler.sample_from_probs(
             q, seeds, positions, Stream.DRAFT if drafting else Stream.TARGET))  # fmt: skip
         for r, q_row in zip(which, q.unbind(0) if drafting else [], strict=False):
-            self.requests[rows[r].req_id].draft_probs.append(q_row)
+            # its own copy: a view would keep all k rows alive until its verification
+            self.requests[rows[r].req_id].draft_probs.append(q_row.clone())
         return tokens
 
     def _draft_graph_chain(self, rows: list[RowPlan], steps: int) -> list[torch.Tensor] | None:
@@ -407,8 +409,8 @@ class Worker:
             for req, pages in zip(reqs, final, strict=True):
                 req.scored_pages = pages
         sampled = [req for req in reqs if not req.sampling.greedy]
-        for q in qs:  # each step's q of the sampled rows, in row order
-            for req, q_row in zip(sampled, q.unbind(0), strict=True):
+        for q in qs:  # each step's q of the sampled rows, in row order, each its own copy
+            for req, q_row in zip(sampled, q, strict=True):
                 req.draft_probs.append(q_row)
         return drafts
 
@@ -473,10 +475,7 @@ class Worker:
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
-        kept = {}  # sampled draft row -> its q [V]
-        if probs is not None:
-            which, q = self._sampled_draft_probs(rows, probs, offsets)
-            kept = dict(zip(which, q.unbind(0), strict=True)) if which else {}
+        kept = self._sampled_draft_probs(rows, probs, offsets) if probs is not None else {}
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -505,15 +504,13 @@ class Worker:
         return results
 
     def _sampled_draft_probs(self, rows: list[RowPlan], probs: torch.Tensor,
-                             offsets: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """The sampled draft rows and their q (float32 [k, V]), copied out of the step's
-        [N, V] probabilities in one gather: a view would keep all N rows alive until the
-        draft is verified, up to d_max steps later (~1 GB per step at V = 152k, N = 2k)."""
-        which = [r for r, row in enumerate(rows) if row.kind == RowKind.DRAFT
-                 and not self.requests[row.req_id].sampling.greedy]  # fmt: skip
-        if not which:
-            return which, None
-        return which, probs[sampler.i64([offsets[r] for r in which], probs.device)]
+                             offsets: list[int]) -> dict[int, torch.Tensor]:
+        """Each sampled draft row's q (row -> float32 [V]), a copy of its own row only: q waits
+        up to d_max steps for its verification, and a view of the step's [N, V] probabilities
+        (or of a [k, V] gather of the draft rows) would keep all those rows alive as long
+        (~1 GB per step at V = 152k, N = 2k)."""
+        return {r: probs[offsets[r]].clone() for r, row in enumerate(rows)
+                if row.kind == RowKind.DRAFT and not self.requests[row.req_id].sampling.greedy}
 
     def _verify_sampled(self, rows: list[RowPlan], probs: torch.Tensor,
                         offsets: list[int]) -> dict[int, tuple[int, list[int]]]:  # fmt: skip
@@ -572,6 +569,14 @@ class Worker:
         top_k = sampler.i64([s.top_k for s in specs], dev)
         top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
         return sampler.probs_from_logits(logits, temp, top_k, top_p, *sampler.need_flags(specs))
+
+
+def _synced_once(t0: float, wait: float, refresh: float = 0.0) -> StepTimings:
+    """Timings of a step begun at t0 (perf_counter) that syncs with the device once, at its
+    end, after waiting ``wait`` seconds: the wait is the forward the host sees, the rest of
+    its time preparing (the device ran while the host planned the next forwards)."""
+    total = time.perf_counter() - t0
+    return StepTimings(prepare=total - wait, forward=wait, refresh=refresh, total=total)
 
 
 def _memory_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float | None:
