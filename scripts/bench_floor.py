@@ -28,6 +28,7 @@ from bench_decode import DUMMY_SHAPES, _empty_cache, mode_options, prefill_batch
 from floor_report import (
     SPLIT,
     Row,
+    async_run_rows,
     idle_gaps,
     idle_per_step,
     kv_page_reads,
@@ -58,16 +59,21 @@ class Recorder:
 
     def execute(self, plan):
         out = self.inner.execute(plan)
+        runs = [r for r in plan.rows if r.async_gamma is not None]
+        rounds = [r for r in plan.rows if r.async_gamma is None]
         rows = [
             Row(r.kind.name.lower(), r.context_len, r.num_tokens, r.num_drafts, r.num_steps,
                 r.verify_after is not None, r.num_rounds)
-            for r in plan.rows
+            for r in rounds
         ]
         # a round's verification (after the chain, in the same plan), with placeholder drafts
         rows += [
             Row("verify", v.context_len, v.num_tokens, v.num_drafts, 1, True, r.num_rounds)
-            for r, v in ((r, r.verify_row([0] * r.num_steps)) for r in plan.rows if r.verify_after)
+            for r, v in ((r, r.verify_row([0] * r.num_steps)) for r in rounds if r.verify_after)
         ]
+        # an asynchronous run: each row's steps, known from its drafts held and its gamma
+        for r in runs:
+            rows += async_run_rows(r.context_len, r.async_kinds())
         self.steps.append((rows, out.timings.as_dict()))
         return out
 
@@ -115,6 +121,11 @@ class StepBytes:
         self.page = page_bytes(self.page_size, arch.num_kv_heads, arch.head_dim, elem)
 
     def __call__(self, rows: list[Row]) -> dict[str, int]:
+        if any(r.run_step >= 0 for r in rows):  # an asynchronous run: each step's own rows
+            steps = [[r._replace(run_step=-1) for r in rows if r.run_step == i]
+                     for i in range(max(r.run_step for r in rows) + 1)]  # fmt: skip
+            per_step = [self(step) for step in steps]
+            return {key: sum(b[key] for b in per_step) for key in per_step[0]}
         if any(r.in_round for r in rows):  # k draft steps, then the verify step
             drafts = [r._replace(in_round=False) for r in rows if r.kind == "draft"]
             verifies = [r._replace(in_round=False) for r in rows if r.kind == "verify"]
@@ -192,6 +203,8 @@ def chain_steps(rows) -> int:
     stands for that many)."""
     if any(r.in_round for r in rows):
         return max(r.rounds for r in rows)
+    if any(r.run_step >= 0 for r in rows):  # an asynchronous run
+        return max(r.run_step for r in rows) + 1
     return max((r.num_steps for r in rows), default=1)
 
 
@@ -254,7 +267,7 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
             "kind": step_kind(rows),
             "chain": chain_steps(rows),
             "wall_s": w / chain_steps(rows),
-            "rows": len(rows),
+            "rows": sum(1 for r in rows if r.run_step <= 0),  # an asynchronous run's: per step
             "tokens": sum(r.num_tokens for r in rows),
             "bytes": count_bytes(rows),
             "worker_s": {k: t[k] / chain_steps(rows) for k in SPLIT if k in t},

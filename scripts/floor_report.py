@@ -27,6 +27,7 @@ class Row(NamedTuple):
     num_steps: int = 1  # draft rows of a draft chain: its steps (bytes are per step)
     in_round: bool = False  # a chain and its verification in one plan (a "round")
     rounds: int = 1  # rounds of that plan (RowPlan.num_rounds; bytes are per round)
+    run_step: int = -1  # step of an asynchronous run (RowPlan.async_gamma) the row is in; -1: none
 
 
 def weight_bytes(shapes: Iterable[tuple[str, Sequence[int]]], n_tokens: int, elem: int) -> int:
@@ -76,12 +77,27 @@ def kv_page_reads(
     return reads
 
 
+def async_run_rows(context_len: int, kinds: Sequence[int]) -> list[Row]:
+    """The rows of one request in an asynchronous run, a row per step (``RowPlan.async_kinds``:
+    -1 drafts, d >= 0 verifies d drafts with d + 1 queries). The row's context is taken to grow
+    by one token a step (an upper bound: a verification may commit fewer tokens than it had
+    queries; within a run of 16 steps that is under 16 tokens of a long context)."""
+    return [
+        Row("draft", context_len + i, 1, run_step=i) if k < 0
+        else Row("verify", context_len + i, k + 1, num_drafts=k, run_step=i)
+        for i, k in enumerate(kinds)
+    ]  # fmt: skip
+
+
 def step_kind(rows: Sequence[Row]) -> str:
     """ar (verify rows with no drafts), draft, verify, mixed (draft + verify), prefill, round
-    (a draft chain and its verification in one plan)."""
+    (a draft chain and its verification in one plan), async (the steps of an asynchronous
+    run: ``aspire``'s rows, each drafting or verifying at its own pace)."""
     kinds = {r.kind for r in rows}
     if any(r.in_round for r in rows):
         return "round"
+    if any(r.run_step >= 0 for r in rows):
+        return "async"
     if "prefill" in kinds or not kinds:
         return "prefill"
     if kinds == {"draft"}:

@@ -99,8 +99,8 @@ def test_script_runs_on_cpu(tmp_path):
     out = tmp_path / "floor.json"
     cmd = [sys.executable, str(SCRIPTS / "bench_floor.py"), "--device", "cpu", "--dtype",
            "float32", "--dummy-shapes", "tiny-qwen3", "--context", "200", "--batch", "2",
-           "--modes", "ar,aspire_fixed/noround", "--steps", "6", "--warmup", "2", "--copy-mib", "8",
-           "--out", str(out)]  # fmt: skip
+           "--modes", "ar,aspire_fixed/noround,aspire", "--steps", "6", "--warmup", "2",
+           "--copy-mib", "8", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| ar | ar |" in proc.stdout and "not measured on the CPU" in proc.stdout
@@ -108,8 +108,14 @@ def test_script_runs_on_cpu(tmp_path):
     assert "bench_floor.py" in report["command"] and report["gpu"] == "cpu"
     by_mode = {r["mode"]: r for r in report["results"]}
     # noround: draft steps of their own (rounds in one plan, the default, are one step kind)
-    assert set(by_mode) == {"ar", "aspire_fixed/noround"}
+    assert set(by_mode) == {"ar", "aspire_fixed/noround", "aspire"}
     assert "draft" in by_mode["aspire_fixed/noround"]["kinds"]
+    # aspire's asynchronous runs: bytes per step of the run, every step reads the weights
+    runs = [s for s in by_mode["aspire"]["steps"] if s["kind"] == "async"]
+    assert runs and all(s["rows"] <= 2 for s in runs)
+    one_step = by_mode["ar"]["steps"][0]["bytes"]["weights"]
+    for s in runs:
+        assert s["bytes"]["weights"] >= s["chain"] * one_step
     bw = report["bandwidth"]["bytes_per_s"]
     page = fr.page_bytes(16, kv_heads=2, head_dim=32, elem=4)  # tiny-qwen3, fp32
     for r in report["results"]:
@@ -119,3 +125,24 @@ def test_script_runs_on_cpu(tmp_path):
             assert k["ratio"] == pytest.approx(k["wall_ms"] / (1e3 * k["bytes"]["total"] / bw))
     # an `ar` row at >= 201 tokens reads all of its >= 13 pages in all 4 layers
     assert by_mode["ar"]["kinds"]["ar"]["bytes"]["kv"] >= 2 * 4 * 13 * page
+
+
+def test_an_asynchronous_run_is_counted_step_by_step():
+    # a row holding 1 draft at gamma 2 over 5 steps: draft, verify 2, draft, draft, verify 2
+    from aspire_ray.plan import async_kinds
+
+    kinds = async_kinds(held=1, gamma=2, steps=5)
+    assert kinds == [-1, 2, -1, -1, 2]
+    rows = fr.async_run_rows(1000, kinds)
+    assert [(r.kind, r.context_len, r.num_tokens, r.run_step) for r in rows] == [
+        ("draft", 1000, 1, 0), ("verify", 1001, 3, 1), ("draft", 1002, 1, 2),
+        ("draft", 1003, 1, 3), ("verify", 1004, 3, 4)]  # fmt: skip
+    assert fr.step_kind(rows) == "async"
+
+    def budget(p):
+        return max(4, math.ceil(0.07 * p))
+
+    # each step read on its own: three draft steps (63 pages, k = 5) and two verify steps
+    plain = [r._replace(run_step=-1) for r in rows]
+    by_step = sum(fr.kv_page_reads([r], 4, 16, budget, refresh_full=True) for r in plain)
+    assert by_step == 3 * (3 * 5 + 63) + 2 * 4 * 63
