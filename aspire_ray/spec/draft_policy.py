@@ -58,6 +58,12 @@ class DraftPolicy:
         k = self.cfg.sparse_budget(pages)
         return k * self.page_size if pages > k else context_len
 
+    def sparse_tokens_of(self, context_len: np.ndarray) -> np.ndarray:
+        """``sparse_tokens`` of every entry of int64 [R] contexts -> int64 [R]."""
+        pages = -(-context_len // self.page_size)
+        k = self.cfg.sparse_budgets(pages)
+        return np.where(pages > k, k * self.page_size, context_len)
+
     def row_kv_tokens(self, row: RowPlan) -> float:
         """The KV a row reads, in KV tokens (``KVReads``)."""
         if row.kind == RowKind.DRAFT:
@@ -75,12 +81,14 @@ class DraftPolicy:
         """``step_features`` of the mean step of an asynchronous run (``RowPlan.async_gamma``;
         each row's context taken at the run's start)."""
         tokens = kv = 0.0
+        tiles = self.kv_reads.full_by_queries(1, self.cfg.max_drafts + 1).tolist()  # by queries
         for row in rows:
             kinds = row.async_kinds()
-            drafts, ctx = kinds.count(-1), row.context_len
-            tokens += drafts + sum(k + 1 for k in kinds if k >= 0)
+            queries = [k + 1 for k in kinds if k >= 0]  # the row's verifications
+            drafts, ctx = len(kinds) - len(queries), row.context_len
+            tokens += drafts + sum(queries)
             kv += drafts * self.kv_reads.draft(self.sparse_tokens(ctx), ctx) + \
-                sum(self.kv_reads.full(ctx, k + 1) for k in kinds if k >= 0)  # fmt: skip
+                ctx * sum(tiles[q - 1] for q in queries)  # fmt: skip
         steps = max(row.num_steps for row in rows)
         return tokens / steps, kv / steps
 
@@ -135,16 +143,16 @@ class DraftPolicy:
             return []
         coef = self.cost_model.coef
         g = np.arange(self.cfg.max_drafts + 1)  # [G]
-        gain, cost = [], []  # [B, G] R_i(g), C_i(g)
-        for req in reqs:
-            ctx = req.num_tokens + len(req.drafts)
-            d = coef.b_tok + coef.b_kv * self.kv_reads.draft(self.sparse_tokens(ctx), ctx)
-            v = coef.b_tok * (g + 1) + coef.b_kv * self.kv_reads.full_by_queries(ctx, len(g))
-            a = min(req.alpha, 1.0)
-            tokens = g + 1.0 if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
-            gain.append(tokens / (g + 1))
-            cost.append((g * d + v) / (g + 1))
-        gain, cost = np.array(gain), np.array(cost)
+        # numpy over [B, G] (the driver prices every decoding request each plan)
+        ctx = np.array([r.num_tokens + len(r.drafts) for r in reqs], dtype=np.int64)  # [B]
+        d = coef.b_tok + coef.b_kv * self.kv_reads.draft(self.sparse_tokens_of(ctx), ctx)
+        tiles = self.kv_reads.full_by_queries(1, len(g))  # [G] KV reads of a 1-token context
+        v = coef.b_tok * (g + 1) + coef.b_kv * (ctx[:, None] * tiles)  # [B, G]
+        a = np.minimum(np.array([r.alpha for r in reqs], dtype=np.float64), 1.0)[:, None]
+        sure = a >= 1.0  # E(g) = g + 1 where every draft is accepted
+        tokens = np.where(sure, g + 1.0, (1.0 - a ** (g + 1)) / np.where(sure, 1.0, 1.0 - a))
+        gain = tokens / (g + 1)  # [B, G] R_i(g)
+        cost = (g * d[:, None] + v) / (g + 1)  # [B, G] C_i(g)
         rows = np.arange(len(reqs))
         choice = np.zeros(len(reqs), dtype=np.int64)
         for _ in range(rounds):
