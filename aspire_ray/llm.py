@@ -14,8 +14,12 @@ from .sampling_params import SamplingParams
 class LLM:
     """Offline batched generation.
 
-    >>> llm = LLM(model="smollm2-135m-instruct", spec_mode="aspire")
-    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> with LLM(model="smollm2-135m-instruct", spec_mode="aspire") as llm:
+    ...     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+
+    What it holds (the worker; at tp_size > 1 the shard actors and their placement group) is
+    released by ``shutdown()``, on leaving a ``with`` block, or when it is garbage-collected
+    (the executor's finalizer), so the next ``LLM`` can take the same devices.
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32",
@@ -26,6 +30,13 @@ class LLM:
                                   **kwargs)
         self.engine = LLMEngine(cfg)
         self._ids = itertools.count()
+        self._closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):
@@ -35,6 +46,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is a string or a list of token ids."""
+        if self._closed:
+            raise RuntimeError("this LLM is shut down")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -62,4 +75,6 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
+        """Release the workers now (idempotent); ``generate`` raises afterwards."""
+        self._closed = True
         self.engine.shutdown()

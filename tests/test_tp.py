@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import random_prompts
+from helpers import local_ray, random_prompts
 
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SPEC_MODES
@@ -36,11 +36,9 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    # a private local instance (never a cluster someone else started); 8 logical CPUs so that
-    # several 2-bundle placement groups fit on a 2-core machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
-    yield
-    ray.shutdown()
+    # 8 logical CPUs so that several 2-bundle placement groups fit on a 2-core machine
+    with local_ray(num_cpus=8):
+        yield
 
 
 def _cfg(model_dir, mode, tp, **extra):

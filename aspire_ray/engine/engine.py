@@ -44,6 +44,13 @@ def load_tokenizer(cfg: EngineConfig):
     return AutoTokenizer.from_pretrained(str(source.hf_dir))
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids: no special tokens added (a chat template writes its own)."""
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer: pass token ids")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, executor: Executor | None = None,
                  tokenizer=None) -> None:
@@ -81,10 +88,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, on the engine's tokenizer: only from the thread that steps
+        the engine (it detokenizes with the same object; serving threads use copies)."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return encode_text(self.tokenizer, prompt)
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -227,6 +234,7 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
+        """Release the workers (idempotent); steps after it fail every request."""
         self.executor.shutdown()
 
 

@@ -24,7 +24,7 @@ class Executor:
         return []
 
     def shutdown(self) -> None:
-        pass
+        """Release the workers; idempotent. Later steps raise WorkerDiedError."""
 
 
 class LocalExecutor(Executor):
@@ -39,4 +39,9 @@ class LocalExecutor(Executor):
         return self.worker.describe()
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.worker is None:
+            raise WorkerDiedError("the executor was shut down")
         return self.worker.execute(plan)
+
+    def shutdown(self) -> None:
+        self.worker = None  # the model and the KV pool go with it

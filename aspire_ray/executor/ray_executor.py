@@ -5,6 +5,10 @@ the replica, bundles 1..tp the shard workers); elsewhere the executor makes its 
 STRICT_PACK group of tp bundles ({GPU: 1} each, or {CPU: 1} on device="cpu") and removes it
 on shutdown. Actors take exactly their bundle's resources.
 
+Lifetime: ``shutdown()`` (idempotent) kills the actors and removes an owned group; an executor
+garbage-collected without it (``del llm``) does the same through a ``weakref.finalize`` over
+``_Shards``, which never refers to the executor, so the next executor's group can be placed.
+
 Per step the plan goes to every rank and rank 0's StepOutput comes back, over one of two
 transports (scripts/bench_orchestration.py measures them):
   - "compiled": a Ray Compiled Graph (InputNode -> execute on every rank -> MultiOutputNode),
@@ -26,6 +30,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import replace
 
 from aspire_ray.config import EngineConfig
@@ -115,6 +120,49 @@ class _Placement:
             self.owned = False
 
 
+class _Shards:
+    """What an executor holds outside this process: the shard actors, the transport to them,
+    their placement. ``close`` is idempotent and is also the executor's finalizer."""
+
+    def __init__(self, placement: _Placement) -> None:
+        self.placement = placement
+        self.actors: list = []
+        self.transport: _PlainTransport | _CompiledTransport | None = None
+
+    def close(self, kill_first: bool = False) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            # ray.shutdown() already ended this driver's actors and placement groups
+            self.actors, self.transport, self.placement.owned = [], None, False
+            return
+        if kill_first:
+            # after a failure: survivors may sit in a collective that never completes, and the
+            # compiled graph's teardown would wait for them
+            self._kill()
+        if self.transport is not None:
+            # teardown logs each of its steps, and every already-dead actor as an error
+            quiet = logging.getLogger("ray.dag.compiled_dag_node")
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL if kill_first else logging.WARNING)
+            try:
+                self.transport.close()
+            except Exception as e:
+                logger.debug("compiled graph teardown: %s", e)
+            finally:
+                quiet.setLevel(level)
+            self.transport = None
+        self._kill()
+        self.placement.release()
+
+    def _kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+
+
 class _PlainTransport:
     name = "plain"
 
@@ -178,23 +226,30 @@ class RayExecutor(Executor):
         self.step_timeout_s = step_timeout_s or float(
             os.environ.get("ASPIRE_RAY_STEP_TIMEOUT_S", 300))
         self._dead: str | None = None
-        self._transport = None
-        self.actors: list = []
         check_shardable(cfg)
         ensure_ray(cfg)
         self.placement = _Placement(cfg, start_timeout_s)
+        self._shards = _Shards(self.placement)
+        # not at interpreter exit: by then Ray's own shutdown ends the job's actors and groups
+        self._finalizer = weakref.finalize(self, self._shards.close)
+        self._finalizer.atexit = False
         cuda = cfg.device.startswith("cuda")
         actor_cls = ray.remote(ShardWorker)
         try:
-            self.actors = [
+            self._shards.actors = [
                 actor_cls.options(**self.placement.actor_options(r, cuda)).remote(
                     cfg, r, cfg.tp_size)
                 for r in range(cfg.tp_size)]
             self._info = self._start(start_timeout_s)
-            self._transport = self._make_transport(transport)
+            self._shards.transport = self._make_transport(transport)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def actors(self) -> list:
+        """The shard actors, rank order ([] once shut down)."""
+        return self._shards.actors
 
     def _start(self, timeout_s: float) -> ShardInfo:
         with _worker_errors():
@@ -237,14 +292,14 @@ class RayExecutor(Executor):
 
     @property
     def transport(self) -> str:
-        return self._transport.name
+        return self._shards.transport.name
 
     def set_transport(self, name: str) -> None:
         """Switch between "compiled" and "plain" (benchmarks); no step may be in flight."""
         if name not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
-        self._transport.close()
-        self._transport = self._make_transport(name)
+        self._shards.transport.close()
+        self._shards.transport = self._make_transport(name)
 
     def describe(self) -> ShardInfo:
         return self._info
@@ -253,7 +308,7 @@ class RayExecutor(Executor):
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
         try:
-            return self._transport.run(plan, self.step_timeout_s)
+            return self._shards.transport.run(plan, self.step_timeout_s)
         except Exception as e:
             dead = self.dead_ranks(timeout_s=2.0)
             what = f"rank {', '.join(map(str, dead))} died" if dead else "failed"
@@ -287,36 +342,13 @@ class RayExecutor(Executor):
                         self.step_timeout_s)
 
     def shutdown(self) -> None:
-        """Tear down the transport, kill the actors, remove our placement group."""
+        """Tear down the transport, kill the actors, remove our placement group (idempotent)."""
         self._close(kill_first=False)
 
     def _close(self, kill_first: bool) -> None:
-        if kill_first:
-            # after a failure: survivors may sit in a collective that never completes, and the
-            # compiled graph's teardown would wait for them
-            self._kill()
-        if self._transport is not None:
-            # teardown logs each of its steps, and every already-dead actor as an error
-            quiet = logging.getLogger("ray.dag.compiled_dag_node")
-            level = quiet.level
-            quiet.setLevel(logging.CRITICAL if kill_first else logging.WARNING)
-            try:
-                self._transport.close()
-            except Exception as e:
-                logger.debug("compiled graph teardown: %s", e)
-            finally:
-                quiet.setLevel(level)
-            self._transport = None
-        self._kill()
-        self.placement.release()
+        self._shards.close(kill_first)
+        self._finalizer.detach()
         self._dead = self._dead or "the executor was shut down"
-
-    def _kill(self) -> None:
-        import ray
-
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@ Threads and ownership:
 - The engine thread owns the ``LLMEngine`` (it is not thread-safe): it alone calls
   ``add_request``/``abort_request``/``step``. It steps while there is work and sleeps on a
   condition variable otherwise.
+- The HTTP side tokenizes (prompts, chat templates) in asyncio's thread pool on copies of the
+  engine's tokenizer (``tokenizer_pool.py``), never on the engine thread's own.
 - The event loop talks to it only through ``_commands`` (add/abort, applied between steps)
   under ``_cv``'s lock, and receives outputs through per-request ``asyncio.Queue``s filled with
   ``loop.call_soon_threadsafe``.
@@ -29,6 +31,7 @@ from aspire_ray.sampling_params import SamplingParams
 
 from .errors import EngineDeadError
 from .metrics import ServingMetrics
+from .tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ class AsyncLLMEngine:
         self._closed = False
         self._busy = False  # engine thread only: the engine has unfinished requests
         self._stats = engine.stats()  # snapshot taken by the engine thread after each step
+        # copied before the engine thread starts: from then on it alone uses engine.tokenizer
+        self.tokenizers = TokenizerPool(engine.tokenizer)
         self._thread = threading.Thread(target=self._run, name="aspire-engine", daemon=True)
         self._thread.start()
 
@@ -81,8 +86,16 @@ class AsyncLLMEngine:
         return str(self._error) if self._error else None
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def has_chat_template(self) -> bool:
+        return self.tokenizers.has_chat_template
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """A text prompt's token ids (blocking; any thread but the engine's)."""
+        return self.tokenizers.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """A chat's prompt text (blocking; any thread but the engine's)."""
+        return self.tokenizers.apply_chat_template(messages)
 
     @property
     def max_model_len(self) -> int:

@@ -99,8 +99,7 @@ class OpenAIServing:
 
     async def chat(self, req: P.ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._check_common(req)
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not self.engine.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -108,8 +107,7 @@ class OpenAIServing:
         limits.check_max_tokens(self.limits, req.max_new_tokens, max_param)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = await asyncio.to_thread(tok.apply_chat_template, messages, tokenize=False,
-                                           add_generation_prompt=True)
+            text = await asyncio.to_thread(self.engine.apply_chat_template, messages)
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise bad_request(f"messages: the chat template failed: {exc}",
                               param="messages") from None
@@ -142,7 +140,7 @@ class OpenAIServing:
             if not prompt:
                 raise bad_request(f"{param}: must not be empty", param=param)
             try:
-                ids = await asyncio.to_thread(self.engine.engine.tokenize, prompt)
+                ids = await asyncio.to_thread(self.engine.tokenize, prompt)
             except InvalidRequestError as exc:
                 raise bad_request(f"{param}: {exc}", param=param) from None
         else:
