@@ -196,6 +196,10 @@ class SpecConfig:
     # The same for greedy rounds of the synchronized modes (worker/round_runs.py): the worker
     # replays the next plan's first round before it waits for this plan's tokens.
     rounds_overlap: bool = True
+    # And for `ar`'s greedy decode chains (worker/decode_chains.py): the next chain of the same
+    # rows replays before the host has this chain's tokens (the host's ~2 ms a plan of commit,
+    # scheduling and planning left the GPU idle between chains: docs/benchmarks.md §8.25).
+    ar_overlap: bool = True
 
     @property
     def overlap_steps(self) -> int:

@@ -114,3 +114,28 @@ def test_rounds_started_early_give_the_tokens_of_ar(tiny_model_dir):
     graphs = w.draft_graphs
     assert graphs.verify is not None and graphs.steps > 0
     assert graphs.rounds_continued >= 2, (graphs.rounds_started, graphs.rounds_continued)
+
+
+@pytest.mark.slow
+def test_decode_chains_started_early_give_the_tokens_of_single_steps(tiny_model_dir):
+    # ar's greedy decode chains on the (emulated) graphs: the next chain replays before this
+    # chain's tokens reach the host, and the next plan continues it on the device (requests
+    # that finished in between stop in their places, new ones arriving drop it): the tokens
+    # of one plan per step either way
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=5)
+    params = [SamplingParams(max_tokens=24 + 5 * i, temperature=0.0, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
+
+    def run():
+        cfg = build_engine_config(model_dir, spec_mode="ar", max_num_batched_tokens=64,
+                                  num_pages=120, max_num_seqs=4, attention_backend="triton",
+                                  ar_chain=4)  # fmt: skip
+        engine = LLMEngine(cfg)
+        w = use_eager_graphs(engine)
+        return run_staggered(engine, prompts, params, arrive_every=2), w.draft_graphs
+
+    overlapped, graphs = run()
+    assert graphs.chains_continued >= 2, (graphs.chains_started, graphs.chains_continued)
+    single = LLMEngine(build_engine_config(model_dir, spec_mode="ar", num_pages=120, ar_chain=1))
+    assert overlapped == run_staggered(single, prompts, params, arrive_every=2)

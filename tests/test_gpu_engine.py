@@ -130,6 +130,15 @@ def test_rounds_started_early_on_gpu(mode):
     assert graphs.rounds_continued >= 3, (graphs.rounds_started, graphs.rounds_continued)
 
 
+def test_decode_chains_started_early_on_gpu():
+    # ar's greedy decode chains: the next chain replays before this chain's tokens reach the
+    # host; the same fp32 output with it as without it
+    overlapped = _run("ar", "float32", max_tokens=96)
+    graphs = _run.last_worker.draft_graphs
+    assert overlapped == _run("ar", "float32", max_tokens=96, ar_overlap=False)
+    assert graphs.chains_continued >= 3, (graphs.chains_started, graphs.chains_continued)
+
+
 @pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])
 def test_fused_row_planning_is_the_tensor_ops_bit_for_bit(mode):
     # kernels/row_plan.py plans the graphs' rows (integers only: tokens, slots, page lists) and

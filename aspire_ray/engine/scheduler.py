@@ -239,12 +239,15 @@ class Scheduler:
     def lookahead_tokens(self, row: RowPlan) -> int:
         """KV tokens past the row's plan that the worker may write before the next plan
         comes: an asynchronous run's next ``async_overlap_steps`` steps (one position each),
-        a greedy round's next round (``rounds_overlap``: its drafts and their verification)."""
+        a greedy round's next round (``rounds_overlap``: its drafts and their verification),
+        a decode chain's next chain (``ar_overlap``)."""
         spec = self.policy.cfg
         if row.async_gamma is not None:
             return spec.overlap_steps
         if row.verify_after is not None and spec.rounds_overlap:
             return row.num_steps + 1
+        if row.kind == RowKind.VERIFY and row.num_steps > 1 and spec.ar_overlap:
+            return row.num_steps  # a decode chain: the next chain of as many steps
         return 0
 
     def _lookahead_pages(self, req: Request, row: RowPlan) -> None:

@@ -98,12 +98,15 @@ class DraftStepGraphs:
         self._pool_pages = 0
         self._layouts: torch.Tensor | None = None  # int32 [3, W + 1]: policy_layout
         self.steps = 0  # draft steps replayed
-        # greedy rounds (run_rounds): the request of each row of the state on the device (None:
-        # padding or a row that stopped), the next plan's first round if started early
-        # (round_runs.StartedRound), and how many were started and continued
+        # greedy rounds (run_rounds) and decode chains: the request of each row of the state on
+        # the device (None: padding or a row that stopped), the next plan's first round or
+        # chain if started early (round_runs.StartedRound, decode_chains.StartedChain), and how
+        # many were started and continued
         self.row_ids: list[str | None] = []
         self.started = None
         self.rounds_started = self.rounds_continued = 0
+        # `ar`'s greedy decode chains started early (decode_chains.StartedChain) and continued
+        self.chains_started = self.chains_continued = 0
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -303,13 +306,28 @@ class DraftStepGraphs:
         self.steps += steps
         return drafts, qs
 
+    def replay_steps(self, n: int, rows: int, steps: int) -> list[torch.Tensor]:
+        """``steps`` greedy steps from the state on the device (``chain_ready``) -> each step's
+        tokens of the first ``rows`` device rows, int64 [rows] on the device, no sync."""
+        out = []
+        for _ in range(steps):
+            self.graphs[n, None].replay()
+            out.append(self.state[n][0, :rows].clone())
+        self.steps += steps
+        return out
+
+    def chain_ready(self, n: int, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether greedy steps can replay from the state on the device without a capture:
+        the tables did not move, the graph exists."""
+        sync_tables(self.page_table, self.scores)
+        return self._tables_key(kv_caches) == self._key and (n, None) in self.graphs
+
     def ready(self, n: int, steps: int, kv_caches: list[torch.Tensor]) -> bool:
         """Whether greedy rounds of ``steps`` drafts can replay from the state on the device
         without a capture (a capture zeroes the state): the tables did not move, the graphs
         exist."""
-        sync_tables(self.page_table, self.scores)
-        return self._tables_key(kv_caches) == self._key and (n, None) in self.graphs \
-            and self.verify is not None and (n, steps + 1) in self.verify.graphs  # fmt: skip
+        return self.chain_ready(n, kv_caches) and self.verify is not None \
+            and (n, steps + 1) in self.verify.graphs  # fmt: skip
 
     def stop_rows(self, n: int, keep: list[bool]) -> None:
         """Device rows not in ``keep`` stop (no query, no page, no KV written), from the next

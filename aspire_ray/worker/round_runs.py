@@ -67,7 +67,7 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
             raise RuntimeError(f"request {row.req_id}: {worker.page_table.sizes[req.slot]} "
                                f"pages cannot hold {end} tokens")
     by_id = {row.req_id: r for r, row in enumerate(rows)}
-    if started is not None and started.continues(rows, steps) \
+    if isinstance(started, StartedRound) and started.continues(rows, steps) \
             and graphs.ready(started.n, steps, worker.kv_caches):  # fmt: skip
         n = started.n
         graphs.stop_rows(n, [rid in by_id for rid in started.row_ids])

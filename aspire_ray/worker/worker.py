@@ -40,6 +40,7 @@ from . import rejection_sampler, sampler
 from .async_graphs import AsyncStepGraphs
 from .async_runs import run_async
 from .cuda_graphs import PiecewiseGraphs
+from .decode_chains import StartedChain, graph_decode_chain, runs_on_graphs
 from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
 from .model_loading import DTYPES, build_model
@@ -235,9 +236,9 @@ class Worker:
             self.page_table.update(self.requests[row.req_id].slot, row.pages_keep, row.pages_new)
         if self.async_graphs is not None and (not plan.rows or plan.rows[0].async_gamma is None):
             self.async_graphs.started = None  # a run started early that this plan is not
-        started_round = None  # a round started early: only graph_rounds may continue it
+        started = None  # a round or decode chain started early: only its own kind continues it
         if self.draft_graphs is not None:
-            started_round, self.draft_graphs.started = self.draft_graphs.started, None
+            started, self.draft_graphs.started = self.draft_graphs.started, None
         if not plan.rows:
             return StepOutput(plan.step_id, [], _synced_once(t0, wait=0.0))
         if plan.rows[0].async_gamma is not None:
@@ -245,7 +246,7 @@ class Worker:
             return StepOutput(plan.step_id, results, _synced_once(t0, wait, refresh))
         steps = max(row.num_steps for row in plan.rows)
         if steps > 1 or plan.rows[0].verify_after is not None:
-            return self._execute_chain(plan.step_id, plan.rows, steps, t0, started_round)
+            return self._execute_chain(plan.step_id, plan.rows, steps, t0, started)
         logits, batch, t1 = self._forward(plan.rows)
         self._sync()
         t2 = time.perf_counter()
@@ -286,7 +287,8 @@ class Worker:
         return self.model.compute_logits(hidden[batch.logit_index]), batch, t1
 
     def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int, t0: float,
-                       started_round: StartedRound | None = None) -> StepOutput:  # fmt: skip
+                       started: StartedRound | StartedChain | None = None,
+                       ) -> StepOutput:  # fmt: skip
         """A draft chain: ``steps`` draft steps of the same rows back to back, then, if the
         rows say so (``verify_after``, greedy only), their verification. Step s drafts at
         position start_pos + s from step s - 1's drafts, which stay on the device, as do the
@@ -294,7 +296,8 @@ class Worker:
         q. Or a decode chain (``ar``: verify rows without drafts): ``steps`` decode steps, each
         step's tokens the next one's inputs. The host syncs once, at the end. Rows of
         ``num_rounds`` R > 1: R rounds back to back, each starting after the tokens the last
-        one committed (one sync per round, no engine round trip between them)."""
+        one committed (one sync per round, no engine round trip between them). started: the
+        round or decode chain the last plan started early, if any."""
         decode = rows[0].kind == RowKind.VERIFY
         verify = rows[0].verify_after is not None
         for row in rows:
@@ -313,7 +316,10 @@ class Worker:
             raise ValueError("a plan's rounds hold verifying chain rows of one round count")
         graphs, specs = self.draft_graphs, [self.requests[row.req_id].sampling for row in rows]
         if verify and graphs is not None and graphs.verifies(rows, specs, steps):
-            results, wait = graph_rounds(self, rows, specs, steps, rounds, started_round)
+            results, wait = graph_rounds(self, rows, specs, steps, rounds, started)
+            return StepOutput(step_id, results, _synced_once(t0, wait))
+        if decode and runs_on_graphs(graphs, rows, specs):
+            results, wait = graph_decode_chain(self, rows, steps, started)
             return StepOutput(step_id, results, _synced_once(t0, wait))
         results, refresh, wait = self._chain_round(rows, steps, verify)
         last = results
