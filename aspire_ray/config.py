@@ -199,7 +199,9 @@ class SpecConfig:
     # And for `ar`'s greedy decode chains (worker/decode_chains.py): the next chain of the same
     # rows replays before the host has this chain's tokens (the host's ~2 ms a plan of commit,
     # scheduling and planning left the GPU idle between chains: docs/benchmarks.md §8.25).
-    ar_overlap: bool = True
+    # Off until its GPU test (tests/test_gpu_engine.py::test_decode_chains_started_early_on_gpu)
+    # and a timing have run on the H200; `bench_decode.py` variant "aroverlap" turns it on.
+    ar_overlap: bool = False
 
     @property
     def overlap_steps(self) -> int:

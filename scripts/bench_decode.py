@@ -58,6 +58,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "hostverify": {"verify_graphs": False},  # round verification planned on the host
     # nothing of the next plan started before this one's tokens reach the host
     "serial": {"rounds_overlap": False, "async_overlap_steps": 0, "ar_overlap": False},
+    # ar's next decode chain started before this one's tokens reach the host (off by default)
+    "aroverlap": {"ar_overlap": True},
     # a plan's attention launches one after another, not side by side on two streams
     "seqattn": {"attention_options": {"concurrent_launches": False}},
     # the self-planning graphs' rows planned by tensor ops, not one launch (kernels/row_plan.py)

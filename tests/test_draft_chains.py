@@ -130,7 +130,7 @@ def test_decode_chains_started_early_give_the_tokens_of_single_steps(tiny_model_
     def run():
         cfg = build_engine_config(model_dir, spec_mode="ar", max_num_batched_tokens=64,
                                   num_pages=120, max_num_seqs=4, attention_backend="triton",
-                                  ar_chain=4)  # fmt: skip
+                                  ar_chain=4, ar_overlap=True)  # fmt: skip
         engine = LLMEngine(cfg)
         w = use_eager_graphs(engine)
         return run_staggered(engine, prompts, params, arrive_every=2), w.draft_graphs

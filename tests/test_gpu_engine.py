@@ -133,7 +133,7 @@ def test_rounds_started_early_on_gpu(mode):
 def test_decode_chains_started_early_on_gpu():
     # ar's greedy decode chains: the next chain replays before this chain's tokens reach the
     # host; the same fp32 output with it as without it
-    overlapped = _run("ar", "float32", max_tokens=96)
+    overlapped = _run("ar", "float32", max_tokens=96, ar_overlap=True)
     graphs = _run.last_worker.draft_graphs
     assert overlapped == _run("ar", "float32", max_tokens=96, ar_overlap=False)
     assert graphs.chains_continued >= 3, (graphs.chains_started, graphs.chains_continued)
