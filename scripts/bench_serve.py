@@ -1,0 +1,205 @@
+"""The same text prompts offline (``LLM.generate``) and served (Ray Serve, OpenAI API, streaming).
+
+Offline: one ``LLM.generate`` call over every prompt; end-to-end wall time and output tokens/s.
+Served: the Serve application of ``--config`` (its engine section overridden by this script's
+engine settings) started in-process on a loopback port, then ``--concurrency`` asyncio clients
+stream ``POST /v1/completions`` over the same prompts. Per request: TTFT (first content chunk),
+gaps between content chunks, completion tokens (from the stream's usage chunk). Reported:
+p50/p90/p99 of TTFT and of the gaps, overall tokens/s, and served tokens/s / offline tokens/s.
+Greedy, ``ignore_eos``: every request produces exactly ``--max-tokens`` tokens.
+
+    python scripts/bench_serve.py --model smollm2-135m-instruct --device cpu --dtype float32 \
+        --spec-mode aspire --num-prompts 8 --prompt-tokens 512 --max-tokens 64 \
+        --concurrency 4 --out bench_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from workloads import long_context_prompts
+
+from aspire_ray import LLM, SamplingParams
+from aspire_ray.serving.settings import EngineArgs
+
+LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "local.yaml"
+SERVED_NAME = "bench"
+PERCENTILES = (50, 90, 99)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="path or alias")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--spec-mode", default="aspire")
+    p.add_argument("--engine-options", default="{}",
+                   help='JSON of further engine settings, e.g. \'{"calibrate": "off"}\'')
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=512, help="about this many per prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4, help="concurrent streaming clients")
+    p.add_argument("--config", default=str(LOCAL_CONFIG), help="serve config to start from")
+    p.add_argument("--port", type=int, default=0, help="0: a free loopback port")
+    p.add_argument("--out", default=None, help="JSON output path")
+    return p.parse_args(argv)
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The config's engine section with this run's overrides: both paths use exactly these."""
+    config = yaml.safe_load(Path(args.config).read_text())
+    engine = dict(config["applications"][0]["args"]["engine"])
+    engine.update(model=args.model, device=args.device, dtype=args.dtype,
+                  spec_mode=args.spec_mode, **json.loads(args.engine_options))
+    EngineArgs.model_validate(engine)  # fail here, naming the field, not inside a replica
+    return engine
+
+
+def text_prompts(llm: LLM, n: int, tokens: int) -> list[str]:
+    """n text prompts of about ``tokens`` tokens (windows of the long-context document, decoded
+    so that both paths tokenize the same text)."""
+    tok = llm.tokenizer
+    return [tok.decode(ids) for ids in long_context_prompts(tok, n, tokens)]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """Nearest-rank p50/p90/p99 in milliseconds (zeros when there are no values)."""
+    s = sorted(values)
+    if not s:
+        return {f"p{q}_ms": 0.0 for q in PERCENTILES}
+    return {f"p{q}_ms": 1e3 * s[min(len(s) - 1, max(0, -(-q * len(s) // 100) - 1))]
+            for q in PERCENTILES}
+
+
+def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict]:
+    """(the text prompts, offline results); the LLM is released before Serve starts."""
+    flat = {k: v for k, v in EngineArgs.model_validate(engine).model_dump().items()
+            if v is not None and k != "spec_options"}
+    with LLM(**flat, **engine.get("spec_options", {})) as llm:
+        prompts = text_prompts(llm, args.num_prompts, args.prompt_tokens)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        prompt_tokens = [len(o.prompt_token_ids) for o in outs]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return prompts, {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+                     "prompt_tokens": prompt_tokens}
+
+
+async def stream_one(client, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion: TTFT, gaps between content chunks, completion tokens."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals, usage, finish = [], None, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    arrivals.append(time.perf_counter())
+                finish = choice.get("finish_reason") or finish
+    end = time.perf_counter()
+    return {"ttft_s": arrivals[0] - t0 if arrivals else end - t0,
+            "gaps_s": [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=True)],
+            "completion_tokens": usage["completion_tokens"] if usage else len(arrivals),
+            "finish_reason": finish, "latency_s": end - t0}
+
+
+async def run_clients(url: str, prompts: list[str], args: argparse.Namespace) -> dict:
+    """``--concurrency`` clients drain a shared queue of the prompts."""
+    import httpx
+
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict] = []
+
+    async def client_loop(client) -> None:
+        while not queue.empty():
+            results.append(await stream_one(client, url, queue.get_nowait(), args.max_tokens))
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "concurrency": args.concurrency,
+            "ttft": percentiles([r["ttft_s"] for r in results]),
+            "inter_chunk": percentiles([g for r in results for g in r["gaps_s"]]),
+            "requests": [{k: v for k, v in r.items() if k != "gaps_s"} for r in results]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_served(engine: dict, prompts: list[str], args: argparse.Namespace) -> dict:
+    """Start the config's application with ``engine`` in-process, stream, shut everything down."""
+    import ray
+    from ray import serve
+
+    from aspire_ray.serving.deployment import build_app
+
+    config = yaml.safe_load(Path(args.config).read_text())
+    app_args = config["applications"][0]["args"]
+    app_args["engine"] = engine
+    app_args["server"]["served_model_name"] = SERVED_NAME
+    port = args.port or free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args), name="aspire", route_prefix="/")
+        return asyncio.run(run_clients(f"http://127.0.0.1:{port}", prompts, args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def table(result: dict) -> str:
+    off, srv = result["offline"], result["served"]
+    rows = ["| path | wall s | tokens | tokens/s | TTFT p50/p90/p99 ms | gap p50/p90/p99 ms |",
+            "|---|---|---|---|---|---|",
+            f"| offline | {off['wall_s']:.2f} | {off['output_tokens']} "
+            f"| {off['tokens_per_s']:.1f} | | |"]
+    ttft = "/".join(f"{srv['ttft'][f'p{q}_ms']:.0f}" for q in PERCENTILES)
+    gap = "/".join(f"{srv['inter_chunk'][f'p{q}_ms']:.1f}" for q in PERCENTILES)
+    rows.append(f"| served x{srv['concurrency']} | {srv['wall_s']:.2f} | {srv['output_tokens']} "
+                f"| {srv['tokens_per_s']:.1f} | {ttft} | {gap} |")
+    rows.append(f"\nserved / offline tokens/s: {result['ratio']:.3f}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    engine = engine_settings(args)
+    prompts, offline = run_offline(engine, args)
+    served = run_served(engine, prompts, args)
+    result = {"command": shlex.join(["python", *sys.argv]), "args": vars(args), "engine": engine,
+              "offline": offline, "served": served,
+              "ratio": served["tokens_per_s"] / offline["tokens_per_s"]}
+    print(table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
