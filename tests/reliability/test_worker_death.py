@@ -19,7 +19,7 @@ import time
 import httpx
 import psutil
 import pytest
-from serving.server_utils import free_port, wait_until
+from serving.server_utils import ray_serve_app, wait_until
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -33,11 +33,7 @@ RECOVERY_S = 180.0  # health checks + a new replica and its two shard processes
 
 @pytest.fixture(scope="module")
 def base_url(tiny_chat_model):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from aspire_ray.serving.deployment import build_app
-
+    pytest.importorskip("ray")
     args = {
         "engine": {"model": tiny_chat_model, "spec_mode": "aspire", "tp_size": 2,
                    "device": "cpu", "calibrate": "off", "num_pages": 128,
@@ -47,16 +43,9 @@ def base_url(tiny_chat_model):
         "deployment": {"num_replicas": 1, "health_check_period_s": 1,
                        "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 1},
     }
-    port = free_port()
     # a private local instance; 8 logical CPUs so the replica's 3 bundles fit on 2 cores
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="aspire", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_serve_app(args, num_cpus=8) as url:
+        yield url
 
 
 def _our_ray_processes(title: str) -> list[int]:

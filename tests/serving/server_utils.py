@@ -148,3 +148,24 @@ def config_args(name: str, **engine) -> dict:
     args = yaml.safe_load(path.read_text())["applications"][0]["args"]
     args["engine"].update(engine)
     return args
+
+
+@contextmanager
+def ray_serve_app(args: dict, num_cpus: int):
+    """The application of ``args`` (a serve config's args) under Ray Serve on a private local
+    Ray instance of ``num_cpus`` logical CPUs, on a free loopback port -> its base URL; Serve
+    and Ray shut down after."""
+    import ray
+    from ray import serve
+
+    from aspire_ray.serving.deployment import build_app
+
+    port = free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="aspire", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from .server_utils import config_args, free_port, wait_until
+from .server_utils import config_args, ray_serve_app, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -116,25 +116,14 @@ class Clients:
 def autoscaled_url(tiny_chat_model):
     """Base URL of autoscale.yaml's application on the CPU: tiny model, one replica to start,
     half a logical CPU per replica (two fit on the 2-core machine)."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from aspire_ray.serving.deployment import build_app
-
+    pytest.importorskip("ray")
     args = config_args("autoscale", model=tiny_chat_model, device="cpu", dtype="float32",
                        calibrate="off", num_pages=128, max_num_batched_tokens=256)
     args["server"].update(served_model_name="tiny", cpu_threads=1)
     args["deployment"]["autoscaling_config"].update(AUTOSCALING)
     args["deployment"]["ray_actor_options"] = {"num_cpus": 0.5}
-    port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="aspire", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_serve_app(args, num_cpus=2) as url:
+        yield url
 
 
 def test_load_scales_out_and_idle_scales_back_without_failures(autoscaled_url):
