@@ -23,8 +23,16 @@ class AttentionConfig:
     block_n: int = 128  # KV tokens per tile (capped for prefill tiles, fp32 and head_dim > 128)
     num_warps: int = 4
     num_stages: int = 3
-    waves: float = 8.0  # target programs per SM; rows are split to reach it
+    waves: float = 8.0  # at most ~this many programs per SM; rows are split to reach it
     min_chunk_pages: int = 32  # never split a row into chunks smaller than this
+    # The split-KV chunk (``wave_fit_cost``): attention programs an SM holds at once (the
+    # register caps below give 3 on an H200 for every tile) and a program's fixed cost in pages
+    # (first loads, partial write). The chunk is chosen so that the programs fill whole waves
+    # of resident_programs x SMs: a step of a few long rows (a mixed step's verify rows) in
+    # one wave of long chunks, not 2.6 waves of short ones (docs/benchmarks.md §8.26). None:
+    # the older rule, chunks of total pages / (waves x SMs).
+    resident_programs: int | None = 3
+    ramp_pages: int = 16
     split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
     kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
     # the split-KV merge: heads per program (None: 256 // head_dim) and splits loaded at once
@@ -59,11 +67,29 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and not 24 <= value <= 255:
                 raise ValueError(f"{name} must be in [24, 255] registers, got {value}")
+        if self.resident_programs is not None and self.resident_programs < 1:
+            raise ValueError(f"resident_programs must be >= 1, got {self.resident_programs}")
+        if self.ramp_pages < 0:
+            raise ValueError(f"ramp_pages must be >= 0, got {self.ramp_pages}")
         if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
             raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
 
 
 DEFAULT_CONFIG = AttentionConfig()
+
+# splits of a step's longest row tried by the wave-fitted chunk rule (1..FIT_SPLITS)
+FIT_SPLITS = 64
+
+
+def wave_fit_cost(chunk: int, items: int, hkv: int, slots: int, ramp_pages: int) -> int:
+    """The wave-fitted split rule's price of a chunk (in pages of one program's KV): the
+    waves its ``items`` x ``hkv`` programs take on ``slots`` resident programs, times a
+    program's time, its chunk plus its fixed cost. The planners try the chunks that cut the
+    step's longest row into 1..FIT_SPLITS balanced parts (none under ``min_chunk_pages``, and
+    at most ``spread`` items more than one chunk a row gives, the capacities' bound) and take
+    the cheapest, the longest on a tie: ``paged_attention._fit_chunk`` (numpy),
+    ``device_plan._fit_chunk`` (torch) and ``plan_kernel._plan_kernel`` (Triton) agree."""
+    return -(-items * hkv // slots) * (chunk + ramp_pages)
 
 
 def query_tile_tokens(config: AttentionConfig, group: int) -> int:

@@ -15,9 +15,11 @@ split and merge order, and with it every bit of its output, is the host plan's
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .attention_config import AttentionConfig
+from .attention_config import FIT_SPLITS, AttentionConfig, wave_fit_cost
 
 
 def ragged_fixed(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -86,6 +88,8 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     blocks = -(-n_q // tokens)  # query tiles per row
     if cfg.kv_chunk_pages is not None:
         chunk = torch.full_like(n_pages[:1], cfg.kv_chunk_pages)
+    elif cfg.resident_programs is not None:
+        chunk = _fit_chunk(n_pages, blocks, n_q <= cfg.split_max_q, hkv, cfg, num_sms)
     else:  # the host's float64 math.ceil(total * hkv / target)
         target = cfg.waves * num_sms
         total = (n_pages * blocks).sum().reshape(1)
@@ -118,6 +122,21 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     merge = torch.stack([qo_start[row] + t, splits[row], part_base[row] + t, n_q[row]])
     out.append((merge, count))
     return tuple(out)
+
+
+def _fit_chunk(n_pages: torch.Tensor, blocks: torch.Tensor, splittable: torch.Tensor, hkv: int,
+               cfg: AttentionConfig, num_sms: int) -> torch.Tensor:  # fmt: skip
+    """``paged_attention._fit_chunk`` on the device: int64 [1], no sync."""
+    n_max = torch.where(splittable, n_pages, 0).amax().reshape(1)
+    k = torch.arange(1, FIT_SPLITS + 1, device=n_pages.device)
+    chunks = ((n_max + k - 1) // k).clamp_(min=cfg.min_chunk_pages)  # [K]
+    splits = torch.where(splittable, (n_pages + chunks[:, None] - 1) // chunks[:, None], 1)
+    items = (torch.where(n_pages > 0, splits, 0) * blocks).sum(1)  # [K]
+    slots = cfg.resident_programs * num_sms
+    cost = wave_fit_cost(chunks, items, hkv, slots, cfg.ramp_pages)
+    spread = math.ceil(cfg.waves * num_sms / hkv)
+    cost = torch.where(items <= spread + items[:1], cost, torch.iinfo(torch.int64).max)
+    return chunks[torch.argmin(cost)].reshape(1)  # the first minimum: the longest chunk
 
 
 def _next_power_of_2(x: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,11 @@ cached on it, so every layer of a step reuses it:
 - BLOCK_M is the next power of two of a row's query rows, clamped to [block_m_min, block_m_max]:
   decode rows use a small tile, verify rows a medium one, prefill chunks the largest; rows of
   equal BLOCK_M share one launch.
-- Split-KV (flash-decoding): a row's page list is cut into chunks of about equal size so that
-  the launch has ~``waves`` programs per SM even when few long rows are present. Each chunk
-  writes a normalised partial output and its log-sum-exp; a merge kernel combines them.
+- Split-KV (flash-decoding): a row's page list is cut into chunks of about equal size, one
+  chunk length a step, chosen so that the step's programs fill whole waves of the programs the
+  GPU holds at once (``AttentionConfig.resident_programs``, ``_fit_chunk``) even when few long
+  rows are present. Each chunk writes a normalised partial output and its log-sum-exp; a merge
+  kernel combines them.
 - Launch grids cover a plan's capacity and programs read the item count on the device, so a
   ``FixedPlan`` (fixed capacities, reloaded each step) lets a CUDA graph capture attention.
 """
@@ -32,7 +34,15 @@ import triton
 import triton.language as tl
 
 # defined without triton (importers that only need the config or checks use that module)
-from .attention_config import DEFAULT_CONFIG, AttentionConfig, check_cache, check_meta, check_q
+from .attention_config import (
+    DEFAULT_CONFIG,
+    FIT_SPLITS,
+    AttentionConfig,
+    check_cache,
+    check_meta,
+    check_q,
+    wave_fit_cost,
+)
 from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
@@ -72,10 +82,14 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    wid = tl.program_id(0)
-    kvh = tl.program_id(1)
-    # The grid covers the plan's capacity; the step's item count is read on the device, so a
-    # CUDA graph replays the same launch for any step that fits.
+    # The grid covers the plan's capacity x kv heads, kv head minor: the step's item count is
+    # read on the device (a CUDA graph replays the same launch for any step that fits), and
+    # the programs past it come last, so that the hardware dispatches every real program
+    # before them (kv head major, the items of the first head and that head's empty tail
+    # would hold the SMs while the second head's items waited: a one-wave plan in two).
+    hkv = num_q_heads // GROUP
+    wid = tl.program_id(0) // hkv
+    kvh = tl.program_id(0) % hkv
     if wid >= tl.load(count_ptr):
         return
     # work item (columns of [6, capacity]): row, first query token, KV token range
@@ -300,6 +314,24 @@ def _block_m(n_q: np.ndarray, group: int, cfg: AttentionConfig) -> np.ndarray:
     return np.clip(next_power_of_2(n_q * group), cfg.block_m_min, cfg.block_m_max)
 
 
+def _fit_chunk(n_pages: np.ndarray, blocks: np.ndarray, splittable: np.ndarray, hkv: int,
+               cfg: AttentionConfig, num_sms: int) -> int:  # fmt: skip
+    """The wave-fitted chunk (``attention_config.wave_fit_cost``) of rows of n_pages pages and
+    blocks query tiles each (int64 [R]); splittable: bool [R], rows that may be split."""
+    live = n_pages > 0
+    n_max = int(np.where(splittable, n_pages, 0).max(initial=0))  # the longest splittable row
+    slots = cfg.resident_programs * num_sms
+    spread = math.ceil(cfg.waves * num_sms / hkv)
+    k = np.arange(1, FIT_SPLITS + 1)
+    chunks = np.maximum(-(-n_max // k), cfg.min_chunk_pages)  # [K]
+    splits = np.where(splittable[None], -(-n_pages[None] // chunks[:, None]), 1)  # [K, R]
+    items = (np.where(live[None], splits, 0) * blocks[None]).sum(1)
+    cost = wave_fit_cost(chunks, items, hkv, slots, cfg.ramp_pages)
+    # capacities hold spread items beyond one a query tile of each row (FixedPlan.for_rows)
+    cost = np.where(items <= spread + items[0], cost, np.iinfo(np.int64).max)
+    return int(chunks[int(np.argmin(cost))])  # argmin: the first, the longest chunk, on a tie
+
+
 def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
                device: torch.device) -> _HostPlan:  # fmt: skip
     """Work items of every row (numpy, no per-row Python loop): a row of n_q queries is cut
@@ -315,6 +347,8 @@ def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
     blocks = -(-n_q // tokens)
     if cfg.kv_chunk_pages is not None:
         chunk = cfg.kv_chunk_pages
+    elif cfg.resident_programs is not None:
+        chunk = _fit_chunk(n_pages, blocks, n_q <= cfg.split_max_q, hkv, cfg, _num_sms(device))
     else:
         target = cfg.waves * _num_sms(device)
         chunk = max(cfg.min_chunk_pages, math.ceil(int((n_pages * blocks).sum()) * hkv / target))
@@ -600,7 +634,7 @@ def paged_attention(
 
     def launch_attention(launch: _Launch) -> None:
         block_m = launch.block_m
-        _attn_kernel[(launch.capacity, hkv)](
+        _attn_kernel[(launch.capacity * hkv,)](
             q, kv_cache, out, lse, opart, lpart, launch.work, launch.count, launch.capacity,
             meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),

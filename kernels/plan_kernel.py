@@ -15,11 +15,13 @@ counts. Entries past a count are left as they were (the kernels never read them)
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from .attention_config import AttentionConfig
+from .attention_config import FIT_SPLITS, AttentionConfig
 from .device_plan import _block_m
 
 _MAX_LAUNCHES = 4  # query tiles 16..128: at most four launches a plan
@@ -73,12 +75,13 @@ def _write_items(buf_ptr, start, capacity, off, n_items, row, tokens, splits, pe
 @triton.jit
 def _plan_kernel(
     buf_ptr, kv_indptr_ptr, last_len_ptr, n_q_ptr, num_rows, capacity, merge_capacity,
-    start0, start1, start2, start3, merge_start, target,
+    start0, start1, start2, start3, merge_start, target, spread,
     NUM_LAUNCHES: tl.constexpr, BM0: tl.constexpr, BM1: tl.constexpr, BM2: tl.constexpr,
     BM3: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BM_MIN: tl.constexpr, BM_MAX: tl.constexpr, BM_WIDE: tl.constexpr, BM_ONE: tl.constexpr,
     MIN_CHUNK: tl.constexpr, FIXED_CHUNK: tl.constexpr, SPLIT_MAX_Q: tl.constexpr,
     WIDE: tl.constexpr, UNIFORM_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    SLOTS: tl.constexpr, RAMP: tl.constexpr, FIT_SPLITS: tl.constexpr,
 ):  # fmt: skip
     me = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
@@ -102,6 +105,20 @@ def _plan_kernel(
     blocks = (n_q + tokens - 1) // tokens
     if FIXED_CHUNK > 0:
         chunk = FIXED_CHUNK
+    elif SLOTS > 0:  # the wave-fitted chunk: paged_attention._fit_chunk, item for item
+        splittable = n_q <= SPLIT_MAX_Q
+        n_max = tl.max(tl.where(splittable & r_ok, n_pages, 0), 0)
+        chunk = tl.maximum(n_max, MIN_CHUNK)
+        items_1 = tl.sum(tl.where(n_pages > 0, blocks, 0), 0)  # one chunk a row
+        best = (items_1 * HKV + SLOTS - 1) // SLOTS * (chunk + RAMP)
+        for k in range(2, FIT_SPLITS + 1):
+            c = tl.maximum((n_max + k - 1) // k, MIN_CHUNK)
+            splits_k = tl.where(splittable, (n_pages + c - 1) // c, 1)
+            items = tl.sum(tl.where(n_pages > 0, splits_k * blocks, 0), 0)
+            cost = (items * HKV + SLOTS - 1) // SLOTS * (c + RAMP)
+            better = (items <= spread + items_1) & (cost < best)
+            best = tl.where(better, cost, best)
+            chunk = tl.where(better, c, chunk)
     else:  # the host's math.ceil(total * hkv / target), target an integer here
         total = tl.sum(n_pages * blocks, 0)
         chunk = tl.maximum((total * HKV + target - 1) // target, MIN_CHUNK)
@@ -152,11 +169,12 @@ def _plan_kernel(
 
 
 def fused_planning_fits(cfg: AttentionConfig, num_sms: int, block_ms: list[int]) -> bool:
-    """Whether ``plan_into`` computes this plan exactly: the host's float chunk rule is an
-    integer ceiling only for an integral target (waves x SMs)."""
+    """Whether ``plan_into`` computes this plan exactly: the host's older float chunk rule is
+    an integer ceiling only for an integral target (waves x SMs)."""
     target = cfg.waves * num_sms
-    return len(block_ms) <= _MAX_LAUNCHES and (cfg.kv_chunk_pages is not None
-                                               or float(target).is_integer())  # fmt: skip
+    return len(block_ms) <= _MAX_LAUNCHES and (
+        cfg.kv_chunk_pages is not None or cfg.resident_programs is not None
+        or float(target).is_integer())  # fmt: skip
 
 
 def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_start: int,
@@ -174,11 +192,13 @@ def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_star
     _plan_kernel[(max(rows, 1),)](
         buffer, kv_indptr, last_len, n_q if n_q is not None else last_len, rows, capacity,
         merge_capacity, *padded, merge_start, int(cfg.waves * num_sms),
+        math.ceil(cfg.waves * num_sms / hkv),
         NUM_LAUNCHES=len(starts), BM0=bms[0], BM1=bms[1], BM2=bms[2], BM3=bms[3], GROUP=group,
         HKV=hkv, PAGE_SIZE=page_size, BM_MIN=cfg.block_m_min, BM_MAX=cfg.block_m_max,
         BM_WIDE=max(block_ms),
         BM_ONE=_block_m(1, group, cfg), MIN_CHUNK=cfg.min_chunk_pages,
         FIXED_CHUNK=cfg.kv_chunk_pages or 0, SPLIT_MAX_Q=cfg.split_max_q, WIDE=wide_tiles,
         UNIFORM_Q=uniform_q or 0, BLOCK_R=max(16, triton.next_power_of_2(rows + 1)),
-        BLOCK_I=_ITEMS_BLOCK, num_warps=4,
+        BLOCK_I=_ITEMS_BLOCK, SLOTS=(cfg.resident_programs or 0) * num_sms, RAMP=cfg.ramp_pages,
+        FIT_SPLITS=FIT_SPLITS, num_warps=4,
     )  # fmt: skip

@@ -2,6 +2,8 @@
 plans item for item, so the attention splits and merges in the same order; padding rows (no
 page) get no work. The fixed plan they load runs the attention as the host plan does."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -25,8 +27,13 @@ from aspire_ray.kernels.paged_attention import (
 )
 
 PS = 16
-CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0),
+# default: the wave-fitted chunk; small-chunks: the same with chunks down to a page (fewer
+# slots, so the tests' rows span several waves); waves-rule: the older chunk, total pages over
+# waves x SMs; fixed-chunks: a fixed chunk
+CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0, resident_programs=1),
+           AttentionConfig(min_chunk_pages=1, waves=2.0, resident_programs=None),
            AttentionConfig(kv_chunk_pages=3)]  # fmt: skip
+IDS = ["default", "small-chunks", "waves-rule", "fixed-chunks"]
 
 
 def _meta(pages: list[int], lasts: list[int], q: int = 1) -> PagedKVMeta:
@@ -45,7 +52,7 @@ def test_ragged_fixed():
     assert (local[5:] >= 3).all()  # past the total: outside the last row
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("pages", [[1, 40, 3, 200], [65, 64, 1], [300], [5, 9, 2, 33, 70, 1]])
 @pytest.mark.parametrize("q", [1, 6, 20])  # decode rows; verify rows; two query tiles a row
 def test_attention_items_equal_the_host_plan(cfg, pages, q):
@@ -78,7 +85,7 @@ def test_score_items_equal_the_host_work():
     assert np.array_equal(work[:, : count.item()].numpy(), host)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=IDS[1:])
 @pytest.mark.parametrize("n_q", [1, 3])  # decode rows; verify rows (gamma 2)
 def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg, n_q):
     heads = (8, 2, 64)
@@ -106,7 +113,7 @@ def test_fixed_plan_loaded_on_the_device_runs_as_the_host_plan(cfg, n_q):
     assert torch.equal(sums[:nnz], page_scores(q, lse_expected, kv, meta, 0.125))
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("n_q", [[1, 6, 1, 3, 1], [2, 1, 1, 17], [1]])  # a mixed step's rows
 def test_ragged_rows_equal_the_host_plan(cfg, n_q):
     """Draft rows (one query) and verify rows (d + 1) of one step: every launch's items and
@@ -131,7 +138,7 @@ def test_ragged_rows_equal_the_host_plan(cfg, n_q):
     assert np.array_equal(merge[:, : n_merge.item()].numpy(), host.merge)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=IDS[1:])
 def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     heads, n_q = (8, 2, 64), [1, 4, 1, 2]
     q, kv, meta = paged_case(n_q, [700, 33, 260, 90], heads, torch.float32, "cpu", PS, True, 5)
@@ -148,7 +155,7 @@ def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     assert torch.equal(lse[: q.shape[0]], lse_expected)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=IDS[1:])
 def test_wide_tiles_put_every_verify_row_in_one_launch(cfg):
     """A mixed step's verify rows in the widest tile's launch, its draft rows in their own:
     the same output as the host plan's per-row tiles (fp32)."""
@@ -183,7 +190,7 @@ def _same(a, b) -> bool:
     return all(ca == cb and np.array_equal(wa, wb) for (ca, wa), (cb, wb) in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("wide", [False, True], ids=["tiles", "wide"])
 @pytest.mark.parametrize("n_q", [[1, 6, 1, 3, 1], [2, 1, 1, 17], [1]])
 def test_fused_planning_writes_the_tensor_ops_lists(cfg, wide, n_q):
@@ -202,7 +209,7 @@ def test_fused_planning_writes_the_tensor_ops_lists(cfg, wide, n_q):
     assert _same(fused, ops)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small-chunks", "fixed-chunks"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("q", [1, 6, 20])
 def test_fused_planning_of_decode_rows(cfg, q):
     pages = [max(p, -(-q // PS) + 1) for p in [1, 40, 3, 200]]
@@ -217,5 +224,32 @@ def test_fused_planning_only_where_exact():
     from aspire_ray.kernels.plan_kernel import fused_planning_fits
 
     assert fused_planning_fits(AttentionConfig(waves=2.0), 4, [16, 64])
-    assert not fused_planning_fits(AttentionConfig(waves=2.5), 3, [16])  # 7.5: a float ceil
+    older = AttentionConfig(waves=2.5, resident_programs=None)  # the older rule: a float ceil
+    assert not fused_planning_fits(older, 3, [16])  # (7.5)
+    assert fused_planning_fits(AttentionConfig(waves=2.5), 3, [16])  # wave-fitted: integers
     assert fused_planning_fits(AttentionConfig(waves=2.5, kv_chunk_pages=4), 3, [16])
+
+
+@pytest.mark.parametrize("rows", [
+    [2000] * 10,  # a mixed step's verify rows alone
+    [2000] * 10 + [140] * 54,  # ... and its draft rows (sparse lists) beside them
+    [2000] * 64,  # an ar step, a synchronized round's verification
+    [140] * 64,  # a draft step
+])  # fmt: skip
+def test_wave_fitted_chunks_fill_whole_waves(rows):
+    # H200-sized: 132 SMs x 3 resident programs = 396 slots, 2 kv heads (Qwen2.5-Coder-0.5B
+    # at 32k tokens). The older rule cut such steps into 2-3 waves of short chunks, the last
+    # wave part empty and every program paying its start; the wave-fitted chunk fills one
+    # wave (nearly: a chunk cuts the longest row into whole parts) with the longest chunks.
+    from aspire_ray.kernels.paged_attention import _fit_chunk
+
+    cfg, sms, hkv = AttentionConfig(), 132, 2
+    n = np.array(rows, dtype=np.int64)
+    chunk = _fit_chunk(n, np.ones_like(n), n > 0, hkv, cfg, sms)
+    programs = int((-(-n // chunk)).sum()) * hkv
+    slots = cfg.resident_programs * sms
+    assert 0.9 * slots <= programs <= slots, (chunk, programs)
+    old = replace(cfg, resident_programs=None)
+    old_chunk = max(old.min_chunk_pages, -(-int(n.sum()) * hkv // int(old.waves * sms)))
+    old_programs = int((-(-n // old_chunk)).sum()) * hkv
+    assert old_programs > 2 * slots if len(rows) != 64 or rows[0] != 140 else old_programs > slots
