@@ -58,8 +58,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "hostverify": {"verify_graphs": False},  # round verification planned on the host
     # nothing of the next plan started before this one's tokens reach the host
     "serial": {"rounds_overlap": False, "async_overlap_steps": 0, "ar_overlap": False},
-    # ar's next decode chain started before this one's tokens reach the host (off by default)
+    # ar's next decode chain started before this one's tokens reach the host (the default)
     "aroverlap": {"ar_overlap": True},
+    "noaroverlap": {"ar_overlap": False},
     # a plan's attention launches one after another, not side by side on two streams
     "seqattn": {"attention_options": {"concurrent_launches": False}},
     # the self-planning graphs' rows planned by tensor ops, not one launch (kernels/row_plan.py)
@@ -67,6 +68,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # the attention's register caps (more programs resident on an SM; docs/benchmarks.md §8.23)
     "regs": {"attention_options": {"max_registers": 96, "wide_max_registers": 168}},
     "noregs": {"attention_options": {"wide_max_registers": None}},
+    # the older split-KV chunk (total pages / (waves x SMs)), not the wave-fitted one
+    "oldsplit": {"attention_options": {"resident_programs": None}},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

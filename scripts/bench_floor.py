@@ -29,11 +29,13 @@ from floor_report import (
     SPLIT,
     Row,
     async_run_rows,
+    draft_slopes,
     idle_gaps,
     idle_per_step,
     kv_page_reads,
     median,
     page_bytes,
+    slopes_table,
     step_kind,
     summarize,
     table,
@@ -393,6 +395,10 @@ def main() -> None:
         f"{gpu}, torch {torch.__version__}, triton {triton_version}"
     )
     print(table(results, bw))
+    slopes = draft_slopes(results)
+    if slopes:  # modes at two gammas: their draft step alone
+        print()
+        print(slopes_table(slopes))
     if device.type != "cuda":
         print("\nGPU idle: not measured on the CPU (the profiler part runs on CUDA only)")
     report = {
@@ -403,6 +409,7 @@ def main() -> None:
         "triton": triton_version,
         "bandwidth": bw,
         "results": results,
+        "draft_slopes": slopes,
     }
     if args.out:
         with open(args.out, "w") as f:

@@ -7,8 +7,11 @@ lists in each layer; and how long the GPU sat idle in a step (wall time minus it
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import statistics
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -229,3 +232,59 @@ def table(results: list[dict], bw: dict) -> str:
                 f"| {k['floor_ms']:.3f} | {k['ratio']:.2f}x | {gpu} |"
             )
     return "\n".join(lines)
+
+
+def draft_slopes(results: list[dict]) -> list[dict]:
+    """A synchronized round's draft step alone: the slope between two rounds of one mode at
+    different gamma (modes "MODE/gA" and "MODE/gB" of one run, e.g. aspire_fixed/g3 and
+    aspire_fixed/g7), whose difference is gB - gA draft steps and nothing else (the same
+    verification, the same plan). Per mode: wall ms, floor ms (bytes / bandwidth), ratio,
+    GPU-busy ms where profiled, and c = the draft step over the run's `ar` step if it has one.
+    """
+    ar = next((r["kinds"]["ar"] for r in results if "ar" in r["kinds"]), None)
+    by_base: dict[str, list[tuple[int, dict]]] = {}
+    for r in results:
+        m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
+        if m is None or "round" not in r["kinds"]:
+            continue
+        base = m[1] + "".join(f"/{p}" for p in (m[2], m[4]) if p)
+        by_base.setdefault(base, []).append((int(m[3]), r["kinds"]["round"]))
+    out = []
+    for base, rounds in by_base.items():
+        if len(rounds) < 2:
+            continue
+        (ga, a), (gb, b) = min(rounds, key=lambda x: x[0]), max(rounds, key=lambda x: x[0])
+        steps = gb - ga
+        wall = (b["wall_ms"] - a["wall_ms"]) / steps
+        floor = (b["floor_ms"] - a["floor_ms"]) / steps
+        row = {"mode": base, "gammas": [ga, gb], "wall_ms": wall, "floor_ms": floor,
+               "ratio": wall / floor}  # fmt: skip
+        if "gpu" in a and "gpu" in b:
+            row["busy_ms"] = (b["gpu"]["busy_ms"] - a["gpu"]["busy_ms"]) / steps
+            row["busy_ratio"] = row["busy_ms"] / floor
+        if ar is not None:
+            row["c"] = wall / ar["wall_ms"]
+        out.append(row)
+    return out
+
+
+def slopes_table(slopes: list[dict]) -> str:
+    lines = ["| mode | gammas | draft step ms | floor ms | ratio | GPU busy ms (ratio) | c |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in slopes:
+        busy = f"{s['busy_ms']:.2f} ({s['busy_ratio']:.2f}x)" if "busy_ms" in s else "-"
+        c = f"{s['c']:.2f}" if "c" in s else "-"
+        lines.append(f"| {s['mode']} | {s['gammas'][0]}, {s['gammas'][1]} | {s['wall_ms']:.2f} "
+                     f"| {s['floor_ms']:.3f} | {s['ratio']:.2f}x | {busy} | {c} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the tables of stored bench_floor JSONs (their results joined)
+    if len(sys.argv) < 2:
+        sys.exit("usage: python3 scripts/floor_report.py FLOOR.json [FLOOR.json ...]")
+    reports = [json.load(open(path)) for path in sys.argv[1:]]
+    joined = [r for rep in reports for r in rep["results"]]
+    print(table(joined, reports[0]["bandwidth"]))
+    if draft_slopes(joined):
+        print()
+        print(slopes_table(draft_slopes(joined)))

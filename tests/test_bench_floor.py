@@ -146,3 +146,27 @@ def test_an_asynchronous_run_is_counted_step_by_step():
     plain = [r._replace(run_step=-1) for r in rows]
     by_step = sum(fr.kv_page_reads([r], 4, 16, budget, refresh_full=True) for r in plain)
     assert by_step == 3 * (3 * 5 + 63) + 2 * 4 * 63
+
+
+def test_draft_step_is_the_slope_between_two_gammas():
+    # two rounds of one mode, 3 and 7 drafts: the 4 more draft steps are all that differs
+    def rnd(wall, floor, busy):
+        return {"kinds": {"round": {"wall_ms": wall, "floor_ms": floor, "gpu": {"busy_ms": busy}}}}
+
+    results = [
+        {"mode": "ar", "kinds": {"ar": {"wall_ms": 8.0}}},
+        {"mode": "aspire_fixed/g3", **rnd(15.0, 9.0, 14.0)},
+        {"mode": "aspire_fixed/g7", **rnd(23.0, 13.0, 22.0)},
+        {"mode": "magicdec/g5+serial", **rnd(20.0, 10.0, 19.0)},  # one gamma: no slope
+        {"mode": "magicdec/g2+serial", **rnd(14.0, 8.5, 13.0)},
+        {"mode": "magicdec/g4", **rnd(1.0, 1.0, 1.0)},  # another base: alone, no slope
+    ]
+    slopes = {s["mode"]: s for s in fr.draft_slopes(results)}
+    assert set(slopes) == {"aspire_fixed", "magicdec/serial"}
+    a = slopes["aspire_fixed"]
+    assert a["gammas"] == [3, 7] and a["wall_ms"] == pytest.approx(2.0)
+    assert a["floor_ms"] == pytest.approx(1.0) and a["ratio"] == pytest.approx(2.0)
+    assert a["busy_ratio"] == pytest.approx(2.0) and a["c"] == pytest.approx(0.25)
+    assert slopes["magicdec/serial"]["wall_ms"] == pytest.approx(2.0)
+    assert "| aspire_fixed | 3, 7 | 2.00 | 1.000 | 2.00x | 2.00 (2.00x) | 0.25 |" in (
+        fr.slopes_table(fr.draft_slopes(results)))
