@@ -194,14 +194,30 @@ class _MetricsMiddleware:
             self.metrics.on_http(scope.get("path", ""), status)
 
 
-def build_server(args: AppArgs) -> tuple[FastAPI, AsyncLLMEngine]:
-    """Load the engine for ``args`` and wrap it in the app (the caller shuts the engine down)."""
-    from aspire_ray.engine.engine import LLMEngine
+def build_server(args: AppArgs, driver_actor: bool = False) -> tuple[FastAPI, AsyncLLMEngine]:
+    """Load the engine for ``args`` and wrap it in the app (the caller shuts the engine down).
 
+    driver_actor: the engine core runs in a Ray actor of its own (``engine_core.ActorCore``,
+    placed by ``DeploymentArgs.driver_placement``), not in this process."""
+    from aspire_ray.engine.engine import LLMEngine, load_tokenizer
+
+    metrics = ServingMetrics(args.served_name, args.engine.spec_mode)
+    cfg = args.engine.to_engine_config()
+    if driver_actor:
+        from .engine_core import ActorCore
+
+        # the driver first: it resolves (and, for a GGUF, converts) the model once
+        core = ActorCore(cfg, cpu_threads=args.server.cpu_threads,
+                         **args.deployment.driver_placement(args.engine))  # fmt: skip
+        try:
+            engine = AsyncLLMEngine(core, metrics, tokenizer=load_tokenizer(cfg))
+        except Exception:
+            core.shutdown()
+            raise
+        return create_app(engine, args, metrics), engine
     if args.server.cpu_threads is not None:
         import torch
 
         torch.set_num_threads(args.server.cpu_threads or os.cpu_count() or 1)
-    metrics = ServingMetrics(args.served_name, args.engine.spec_mode)
-    engine = AsyncLLMEngine(LLMEngine(args.engine.to_engine_config()), metrics)
+    engine = AsyncLLMEngine(LLMEngine(cfg), metrics)
     return create_app(engine, args, metrics), engine

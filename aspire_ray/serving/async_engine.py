@@ -1,9 +1,11 @@
-"""The replica's engine driver: ``LLMEngine.step()`` on a background thread, asyncio outside.
+"""The replica's side of the engine: an engine core stepped from a background thread,
+asyncio outside.
 
 Threads and ownership:
-- The engine thread owns the ``LLMEngine`` (it is not thread-safe): it alone calls
-  ``add_request``/``abort_request``/``step``. It steps while there is work and sleeps on a
-  condition variable otherwise.
+- The engine thread owns the engine core (``engine_core.py``: in-process, or a driver actor):
+  it alone calls its ``step``, one call per engine step carrying every add and abort queued
+  since the last one. It steps while there is work and sleeps on a condition variable
+  otherwise.
 - The HTTP side tokenizes (prompts, chat templates) in asyncio's thread pool on copies of the
   engine's tokenizer (``tokenizer_pool.py``), never on the engine thread's own.
 - The event loop talks to it only through ``_commands`` (add/abort, applied between steps)
@@ -25,10 +27,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.sampling_params import SamplingParams
 
+from .engine_core import EngineCore, NewRequest
 from .errors import EngineDeadError
 from .metrics import ServingMetrics
 from .tokenizer_pool import TokenizerPool
@@ -57,18 +59,28 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine, metrics: ServingMetrics | None = None, tokenizer=None) -> None:
+        """engine: an ``LLMEngine`` (stepped in this process) or an engine core
+        (``engine_core.ActorCore``: a driver actor; then ``tokenizer`` is the model's)."""
+        from aspire_ray.engine.engine import LLMEngine
+
+        if isinstance(engine, LLMEngine):
+            self.engine, self.core = engine, EngineCore(engine)
+            tokenizer = engine.tokenizer
+        else:
+            self.engine, self.core = None, engine  # the LLMEngine lives in the driver
         self.metrics = metrics
+        self.facts = self.core.facts()
         self._cv = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}  # guarded by _cv's lock
         self._error: EngineDeadError | None = None
+        self._core_error: str | None = None  # the core's own report after its last step
         self._closed = False
         self._busy = False  # engine thread only: the engine has unfinished requests
-        self._stats = engine.stats()  # snapshot taken by the engine thread after each step
+        self._stats = self.core.stats()  # snapshot taken by the engine thread after each step
         # copied before the engine thread starts: from then on it alone uses engine.tokenizer
-        self.tokenizers = TokenizerPool(engine.tokenizer)
+        self.tokenizers = TokenizerPool(tokenizer)
         self._thread = threading.Thread(target=self._run, name="aspire-engine", daemon=True)
         self._thread.start()
 
@@ -76,13 +88,15 @@ class AsyncLLMEngine:
     @property
     def healthy(self) -> bool:
         # The engine's own flag turns first when a worker dies (set inside step()).
-        return (self._error is None and not self._closed and self._thread.is_alive()
-                and getattr(self.engine, "healthy", True))
+        return (self._error is None and self._core_error is None and not self._closed
+                and self._thread.is_alive() and getattr(self.engine, "healthy", True))
 
     @property
     def error(self) -> str | None:
-        if self._error is None and not getattr(self.engine, "healthy", True):
+        if self._error is None and self.engine is not None and not self.engine.healthy:
             return f"engine unhealthy: {self.engine.error}"
+        if self._error is None and self._core_error is not None:
+            return f"engine unhealthy: {self._core_error}"
         return str(self._error) if self._error else None
 
     @property
@@ -99,28 +113,26 @@ class AsyncLLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.facts.max_model_len
 
     @property
     def max_request_tokens(self) -> int:
         """Most prompt + output tokens one request may have (context and KV pool limits)."""
-        pool = self.engine.blocks.num_pages * self.engine.blocks.page_size
-        return min(self.engine.max_model_len, pool - self.engine.cfg.spec.d_max)
+        return self.facts.max_request_tokens
 
     def stats(self) -> dict:
         """``LLMEngine.stats()`` as of the end of the last step (safe from any thread)."""
         return self._stats
 
     def probe_workers(self, timeout_s: float = 1.0) -> None:
-        """Idle health check (blocking, up to timeout_s): a shard worker that died while no
-        step ran is otherwise found only by the next request's step. A dead rank fails the
-        engine now, so that /health and Serve's health check see it before traffic does."""
+        """Idle health check (blocking, up to timeout_s): a shard worker (or the driver actor)
+        that died while no step ran is otherwise found only by the next request's step. It
+        fails the engine now, so that /health and Serve's health check see it before traffic
+        does."""
         if not self.healthy or self._busy:
             return  # a running step notices a dead rank by itself
-        dead = self.engine.executor.dead_ranks(timeout_s)
-        if dead:
-            ranks = ", ".join(map(str, dead))
-            message = f"engine unhealthy: tensor-parallel shard worker rank {ranks} died"
+        message = self.core.dead(timeout_s)
+        if message:
             logger.error("%s (found by the idle health check)", message)
             self._fail_all(EngineDeadError(message))
 
@@ -176,7 +188,7 @@ class AsyncLLMEngine:
             self._cv.notify()
         self._thread.join(timeout)
         self._fail_all(EngineDeadError("the engine is shut down"))
-        self.engine.shutdown()
+        self.core.shutdown()
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -188,42 +200,48 @@ class AsyncLLMEngine:
                     return
                 commands, self._commands = self._commands, []
             try:
-                for cmd in commands:
-                    self._apply(cmd)
-                # A step right after an abort also tells the workers to drop the request.
-                outputs = self.engine.step()
-                self._deliver(outputs)
-                self._busy = self.engine.has_unfinished()
-                self._stats = self.engine.stats()
+                adds, aborts = self._batch(commands)
+                result = self.core.step([NewRequest(a.request_id, a.prompt, a.params)
+                                         for a in adds], aborts)  # fmt: skip
+                for add in adds:
+                    exc = result.rejected.get(add.request_id)
+                    if exc is None:
+                        add.done.set_result(None)
+                        continue
+                    with self._cv:
+                        self._streams.pop(add.request_id, None)
+                    add.done.set_exception(exc)
+                self._deliver(result.outputs)
+                self._busy = result.busy
+                self._stats = result.stats
             except Exception as exc:  # noqa: BLE001 - any step failure ends the engine
                 logger.exception("engine step failed; failing all in-flight requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"),
                                unapplied=commands)
                 return
-            if not getattr(self.engine, "healthy", True):  # a worker died; the engine said so
-                logger.error("engine unhealthy: %s", self.engine.error)
-                self._fail_all(EngineDeadError(f"engine unhealthy: {self.engine.error}"))
+            if result.error is not None:  # a worker died; the engine said so
+                logger.error("engine unhealthy: %s", result.error)
+                self._core_error = result.error
+                self._fail_all(EngineDeadError(f"engine unhealthy: {result.error}"))
                 return
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
-        if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id)
-            return
-        if not cmd.done.set_running_or_notify_cancel():
-            return  # the caller was cancelled before the request was added
-        with self._cv:
-            wanted = cmd.request_id in self._streams  # aborted before it was ever added?
-        if not wanted:
-            cmd.done.set_result(None)
-            return
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
-        except Exception as exc:  # noqa: BLE001 - a refused request is the caller's error
+    def _batch(self, commands: list[_Add | _Abort]) -> tuple[list[_Add], list[str]]:
+        """The adds still wanted (their callers neither cancelled nor aborted them) and the
+        aborts, of the commands queued since the last step."""
+        adds, aborts = [], []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                aborts.append(cmd.request_id)
+                continue
+            if not cmd.done.set_running_or_notify_cancel():
+                continue  # the caller was cancelled before the request was added
             with self._cv:
-                self._streams.pop(cmd.request_id, None)
-            cmd.done.set_exception(exc)
-            return
-        cmd.done.set_result(None)
+                wanted = cmd.request_id in self._streams  # aborted before it was ever added?
+            if wanted:
+                adds.append(cmd)
+            else:
+                cmd.done.set_result(None)
+        return adds, aborts
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         step_tokens = 0
@@ -244,7 +262,8 @@ class AsyncLLMEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
             except RuntimeError:  # the consumer's event loop is closed
                 if not out.finished:
-                    self.engine.abort_request(out.request_id)
+                    with self._cv:  # dropped at the next step
+                        self._commands.append(_Abort(out.request_id))
         if self.metrics is not None:
             self.metrics.on_tokens(step_tokens)
 

@@ -1,12 +1,15 @@
-"""The Ray Serve application: one replica = one engine driver + its FastAPI ingress.
+"""The Ray Serve application: one replica = its FastAPI ingress + one engine core.
 
 ``build_app`` is what ``serve run`` calls
 (``import_path: aspire_ray.serving.deployment:build_app``).
 
-The replica builds the engine in its constructor (a tp > 1 engine starts its shard workers in
-the replica's placement group, see ``DeploymentArgs.options``), serves the app from
-``create_app`` and reports unhealthy to Serve once the engine loop has failed, so Serve
-replaces the replica.
+The replica starts the engine core in its constructor: by default in a driver actor of its
+own (``engine_core.ActorCore``, in the replica's placement group; a tp > 1 engine's shard
+workers go to the group's other bundles, see ``DeploymentArgs.options`` and
+``driver_placement``), or in a thread of the replica (``deployment.engine_driver: replica``).
+It serves the app from ``create_app`` and reports unhealthy to Serve once the engine loop has
+failed or its driver died, so Serve replaces the replica (and the replica's driver and shard
+workers, which it owns, end with it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from .settings import AppArgs
 class AspireServer:
     def __init__(self, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
-        self.asgi_app, self.engine = build_server(self.args)
+        driver_actor = self.args.deployment.engine_driver == "actor"
+        self.asgi_app, self.engine = build_server(self.args, driver_actor=driver_actor)
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app

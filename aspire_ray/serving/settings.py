@@ -103,6 +103,10 @@ class DeploymentArgs(BaseModel):
     ray_actor_options: dict[str, Any] | None = None
     placement_group_bundles: list[dict[str, float]] | None = None
     placement_group_strategy: PGStrategy | None = None
+    # Where the engine core runs (serving/engine_core.py): "actor", a driver actor the replica
+    # starts in its placement group (at tp = 1 on a GPU it holds the GPU; the replica keeps
+    # HTTP, tokenizing and streaming), or "replica", a thread of the replica itself.
+    engine_driver: Literal["actor", "replica"] = "actor"
     health_check_period_s: float | None = Field(None, gt=0)
     health_check_timeout_s: float | None = Field(None, gt=0)
     graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
@@ -114,17 +118,34 @@ class DeploymentArgs(BaseModel):
         return self
 
     def options(self, engine: EngineArgs) -> dict[str, Any]:
-        """The ``.options(...)`` keywords; a tp > 1 engine gets one bundle per shard worker."""
-        opts = self.model_dump(exclude_none=True)
+        """The ``.options(...)`` keywords; a tp > 1 engine gets one bundle per shard worker,
+        a GPU engine in a driver actor a bundle for the driver's GPU."""
+        opts = self.model_dump(exclude_none=True, exclude={"engine_driver"})
         accel = "GPU" if engine.device.startswith("cuda") else "CPU"
         if engine.tp_size > 1 and self.placement_group_bundles is None:
-            # Bundle 0 holds the replica (the driver); the executor puts its workers in the
-            # other bundles of the replica's placement group.
+            # Bundle 0 holds the replica (and its driver actor); the executor puts its workers
+            # in the other bundles of the replica's placement group.
             opts["placement_group_bundles"] = [{"CPU": 1}] + [{accel: 1}] * engine.tp_size
             opts.setdefault("placement_group_strategy", "STRICT_PACK")
+        elif engine.tp_size == 1 and accel == "GPU" and self.engine_driver == "actor":
+            if self.placement_group_bundles is None:  # bundle 1: the driver and its GPU
+                opts["placement_group_bundles"] = [{"CPU": 1}, {"GPU": 1}]
+                opts.setdefault("placement_group_strategy", "STRICT_PACK")
         elif engine.tp_size == 1 and accel == "GPU" and self.ray_actor_options is None:
             opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
         return opts
+
+    def driver_placement(self, engine: EngineArgs) -> dict[str, Any]:
+        """The driver actor's bundle of the replica's placement group and its resources
+        (``engine_core.ActorCore``): at tp = 1 on a GPU bundle 1 and its GPU, at tp > 1 the
+        replica's bundle 0 (its shard workers take the others), on a CPU none."""
+        if engine.tp_size > 1:
+            return {"bundle": 0}
+        if engine.device.startswith("cuda"):
+            bundle = (self.placement_group_bundles or [{}, {"GPU": 1}])[1]
+            return {"bundle": 1, "num_gpus": bundle.get("GPU", 0),
+                    "num_cpus": bundle.get("CPU", 0)}  # fmt: skip
+        return {}
 
 
 class AppArgs(BaseModel):
@@ -140,6 +161,19 @@ class AppArgs(BaseModel):
     def _bundles_fit(self) -> AppArgs:
         bundles = self.deployment.placement_group_bundles
         tp = self.engine.tp_size
+        gpu = self.engine.device.startswith("cuda")
+        if self.deployment.engine_driver == "actor" and tp == 1 and gpu:
+            replica_gpus = (self.deployment.ray_actor_options or {}).get("num_gpus", 0)
+            if replica_gpus:
+                raise ValueError(
+                    "deployment.ray_actor_options.num_gpus: with engine_driver 'actor' the "
+                    "driver actor holds the GPU, not the replica; drop num_gpus (the replica "
+                    "gets a placement group with a GPU bundle for its driver) or set "
+                    "deployment.engine_driver: replica")
+            if bundles is not None and (len(bundles) < 2 or bundles[1].get("GPU", 0) < 1):
+                raise ValueError(
+                    "deployment.placement_group_bundles: with engine_driver 'actor' on a GPU, "
+                    "bundle 1 holds the driver actor and needs {GPU: 1}")
         if bundles is not None and tp > 1:
             accel = "GPU" if self.engine.device.startswith("cuda") else "CPU"
             workers = sum(1 for b in bundles[1:] if b.get(accel, 0) >= 1)

@@ -1,0 +1,164 @@
+"""The engine core: the scheduler, cost model, page allocator and step loop of one replica,
+stepped in batches, in the replica's own thread or in a driver actor of its own.
+
+``AsyncLLMEngine`` (the replica's side: HTTP, tokenizing, detokenized streams) talks to a core
+only through ``step``: one call carries every request admitted and aborted since the last
+step, and returns every output of one engine step (never a call per request or per token).
+``EngineCore`` runs it in-process; ``ActorCore`` runs the same class as a Ray actor (the
+driver), so that the engine's Python work and, at tp = 1, the GPU forward leave the replica's
+GIL to HTTP and streaming (issue 16; vLLM v1's EngineCore / AsyncLLM split is the model).
+
+The driver actor is created by the replica and owned by it: when the replica dies, Ray ends
+the driver (and the driver's shard workers) with it. When the driver dies, the next ``step``
+or ``dead`` call raises or reports it, and the replica fails every open stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from aspire_ray.config import EngineConfig
+from aspire_ray.outputs import RequestOutput
+from aspire_ray.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreFacts:
+    """What the HTTP side needs to know of the engine, once."""
+
+    max_model_len: int
+    max_request_tokens: int  # most prompt + output tokens a request may have (context, pool)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class CoreStep:
+    """The result of one ``step`` call."""
+
+    outputs: list[RequestOutput]
+    rejected: dict[str, BaseException] = field(default_factory=dict)  # adds the engine refused
+    busy: bool = False  # unfinished requests remain (step again without waiting for input)
+    stats: dict = field(default_factory=dict)  # LLMEngine.stats() after the step
+    error: str | None = None  # set when the engine became unhealthy (a shard worker died)
+
+
+class EngineCore:
+    """An ``LLMEngine`` stepped in batches (not thread-safe: one caller at a time)."""
+
+    def __init__(self, engine_or_cfg: Any, cpu_threads: int | None = None) -> None:
+        from aspire_ray.engine.engine import LLMEngine
+
+        if cpu_threads is not None:  # the driver's torch threads (Ray's default pins one)
+            import torch
+
+            torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
+        if isinstance(engine_or_cfg, EngineConfig):
+            engine_or_cfg = LLMEngine(engine_or_cfg)
+        self.engine = engine_or_cfg
+
+    def facts(self) -> CoreFacts:
+        engine = self.engine
+        pool = engine.blocks.num_pages * engine.blocks.page_size
+        return CoreFacts(engine.max_model_len,
+                         min(engine.max_model_len, pool - engine.cfg.spec.d_max))  # fmt: skip
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def step(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
+        """Apply the aborts, then the adds, then run one engine step (a step right after an
+        abort also tells the workers to drop the request). An add the engine refuses (bad
+        prompt or params) is returned in ``rejected``, not raised; a failing step raises."""
+        engine = self.engine
+        for request_id in aborts:
+            engine.abort_request(request_id)
+        rejected: dict[str, BaseException] = {}
+        for new in adds:
+            try:
+                engine.add_request(new.request_id, new.prompt, new.params)
+            except Exception as exc:  # noqa: BLE001 - a refused request is its caller's error
+                rejected[new.request_id] = exc
+        outputs = engine.step()
+        healthy = getattr(engine, "healthy", True)
+        return CoreStep(outputs, rejected, engine.has_unfinished(), engine.stats(),
+                        None if healthy else str(engine.error))  # fmt: skip
+
+    def dead(self, timeout_s: float = 1.0) -> str | None:
+        """Why the engine cannot serve (a dead shard worker), or None: an idle health check."""
+        dead = self.engine.executor.dead_ranks(timeout_s)
+        if dead:
+            ranks = ", ".join(map(str, dead))
+            return f"engine unhealthy: tensor-parallel shard worker rank {ranks} died"
+        return None
+
+    def ping(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class ActorCore:
+    """``EngineCore`` in a Ray actor (the replica's driver), behind the same methods.
+
+    Placement: in the replica's placement group when it has one (bundle ``bundle``; the
+    driver's own shard workers are placed in the group's other bundles, as the replica's
+    were), with the resources given (at tp = 1 on a GPU, the GPU)."""
+
+    def __init__(self, cfg: EngineConfig, num_cpus: float = 0, num_gpus: float = 0,
+                 bundle: int | None = None, cpu_threads: int | None = None) -> None:  # fmt: skip
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # one call at a time (EngineCore is not thread-safe); a dead driver is not restarted:
+        # the replica fails its streams and Serve replaces the replica
+        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
+                                   "max_restarts": 0, "max_concurrency": 1}
+        pg = get_current_placement_group()
+        if pg is not None and bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=bundle,
+                placement_group_capture_child_tasks=True)  # fmt: skip
+        self._ray = ray
+        self.actor = ray.remote(EngineCore).options(**options).remote(cfg, cpu_threads)
+        try:
+            self._facts = ray.get(self.actor.facts.remote())
+        except Exception:
+            ray.kill(self.actor)
+            raise
+
+    def facts(self) -> CoreFacts:
+        return self._facts
+
+    def stats(self) -> dict:
+        return self._ray.get(self.actor.stats.remote())
+
+    def step(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
+        return self._ray.get(self.actor.step.remote(adds, aborts))
+
+    def dead(self, timeout_s: float = 1.0) -> str | None:
+        try:
+            return self._ray.get(self.actor.dead.remote(timeout_s), timeout=timeout_s + 1.0)
+        except self._ray.exceptions.GetTimeoutError:
+            return None  # busy (a long step): a running step notices a dead rank itself
+        except Exception as exc:  # noqa: BLE001 - the driver actor itself is gone
+            return f"engine unhealthy: the engine driver actor died ({type(exc).__name__})"
+
+    def shutdown(self) -> None:
+        try:
+            self._ray.get(self.actor.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - dead already, or stuck: kill it either way
+            logger.warning("engine driver did not shut down cleanly; killing it")
+        self._ray.kill(self.actor)

@@ -1,0 +1,175 @@
+"""The engine core (serving/engine_core.py): one call a step carries every add and abort and
+returns every output; in a driver actor it serves the tokens of the in-process engine, its
+death fails the replica's streams within a second, and the replica's death ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers import local_ray
+
+from aspire_ray import SamplingParams
+from aspire_ray.llm import build_engine_config
+from aspire_ray.sampling_params import InvalidRequestError
+from aspire_ray.serving.async_engine import AsyncLLMEngine
+from aspire_ray.serving.engine_core import ActorCore, EngineCore, NewRequest
+from aspire_ray.serving.errors import EngineDeadError
+from aspire_ray.serving.settings import AppArgs
+
+from .server_utils import wait_until
+
+ENGINE_KW = dict(spec_mode="aspire", num_pages=128, max_num_batched_tokens=256, d_max=4,
+                 calibrate="off")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["Hello there", "The quick brown fox", "a"]
+
+
+def _generate(engine: AsyncLLMEngine, prompts, params) -> list[list[int]]:
+    async def one(rid, prompt):
+        return [o async for o in engine.generate(rid, prompt, params)][-1].token_ids
+
+    async def run_all():
+        return await asyncio.gather(*(one(f"r{i}", p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(run_all())
+
+
+def test_a_step_carries_a_batch_of_adds_and_aborts(tiny_chat_model):
+    core = EngineCore(build_engine_config(tiny_chat_model, **ENGINE_KW))
+    try:
+        bad = SamplingParams(max_tokens=10**6)  # beyond the context: refused, typed
+        first = core.step([NewRequest("a", "Hello there", GREEDY),
+                           NewRequest("b", "The quick brown fox", GREEDY),
+                           NewRequest("bad", "x", bad)], [])  # fmt: skip
+        assert set(first.rejected) == {"bad"}
+        assert isinstance(first.rejected["bad"], InvalidRequestError)
+        assert {o.request_id for o in first.outputs} <= {"a", "b"} and first.busy
+        second = core.step([], ["b"])  # an abort, then one step
+        assert "b" not in {o.request_id for o in second.outputs}
+        while core.step([], []).busy:
+            pass
+        assert core.engine.blocks.num_used == 0  # every page back, the aborted one's too
+        assert core.dead() is None and second.error is None
+    finally:
+        core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    with local_ray(num_cpus=4) as ray:
+        yield ray
+
+
+def test_driver_actor_gives_the_tokens_of_the_replica_thread(tiny_chat_model, ray_instance):
+    from aspire_ray.engine.engine import LLMEngine, load_tokenizer
+
+    cfg = build_engine_config(tiny_chat_model, **ENGINE_KW)
+    local = AsyncLLMEngine(LLMEngine(cfg))
+    try:
+        want = _generate(local, PROMPTS, GREEDY)
+    finally:
+        local.shutdown()
+    remote = AsyncLLMEngine(ActorCore(cfg), tokenizer=load_tokenizer(cfg))
+    try:
+        assert remote.engine is None  # no engine in this process: it lives in the driver
+        assert remote.max_model_len == local.max_model_len
+        assert remote.max_request_tokens == local.max_request_tokens
+        assert _generate(remote, PROMPTS, GREEDY) == want
+        assert remote.stats()["steps"] > 0 and remote.stats()["pages_used"] == 0
+        with pytest.raises(InvalidRequestError):  # a refused add crosses the actor typed
+            _generate(remote, ["x"], SamplingParams(max_tokens=10**6))
+        assert remote.healthy
+    finally:
+        remote.shutdown()
+
+
+def test_driver_death_fails_open_streams_within_a_second(tiny_chat_model, ray_instance):
+    from aspire_ray.engine.engine import load_tokenizer
+
+    core = ActorCore(core_cfg(tiny_chat_model))
+    engine = AsyncLLMEngine(core, tokenizer=load_tokenizer(core_cfg(tiny_chat_model)))
+    try:
+        async def stream_until_killed():
+            params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+            killed_at = None
+            with pytest.raises(EngineDeadError):
+                async for out in engine.generate("long", "Once upon a time", params):
+                    if killed_at is None and len(out.token_ids) >= 2:
+                        import ray
+
+                        ray.kill(core.actor)
+                        killed_at = time.monotonic()
+            return time.monotonic() - killed_at
+
+        assert asyncio.run(stream_until_killed()) < 1.0
+        assert not engine.healthy and "step failed" in engine.error
+        with pytest.raises(EngineDeadError):  # new requests fail fast, they do not hang
+            _generate(engine, ["hi"], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def test_driver_death_while_idle_is_found_by_the_health_probe(tiny_chat_model, ray_instance):
+    import ray
+
+    core = ActorCore(core_cfg(tiny_chat_model))
+    engine = AsyncLLMEngine(core, tokenizer=None)
+    try:
+        ray.kill(core.actor)
+        assert wait_until(lambda: (engine.probe_workers(), not engine.healthy)[1], timeout=10)
+        assert "driver actor died" in engine.error
+    finally:
+        engine.shutdown()
+
+
+def test_the_replica_takes_its_driver_with_it(tiny_chat_model, ray_instance):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Replica:  # a stand-in for a Serve replica: it owns the driver it starts
+        def __init__(self, cfg):
+            self.core = ActorCore(cfg)
+
+        def driver(self):
+            return self.core.actor
+
+    replica = Replica.remote(core_cfg(tiny_chat_model))
+    driver = ray.get(replica.driver.remote())
+    assert ray.get(driver.ping.remote())
+    ray.kill(replica)
+
+    def gone() -> bool:
+        try:
+            ray.get(driver.ping.remote(), timeout=1)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return False
+
+    assert wait_until(gone, timeout=20)
+
+
+def core_cfg(model_dir: str):
+    return build_engine_config(model_dir, **ENGINE_KW)
+
+
+def test_a_gpu_driver_gets_the_gpu_bundle_not_the_replica():
+    args = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"}})
+    opts = args.deployment.options(args.engine)
+    assert opts["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}]
+    assert "ray_actor_options" not in opts
+    assert args.deployment.driver_placement(args.engine) == {"bundle": 1, "num_gpus": 1,
+                                                             "num_cpus": 0}  # fmt: skip
+    tp2 = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy",
+                                             "tp_size": 2}})  # fmt: skip
+    assert tp2.deployment.driver_placement(tp2.engine) == {"bundle": 0}
+    thread = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
+                                     "deployment": {"engine_driver": "replica"}})  # fmt: skip
+    assert thread.deployment.options(thread.engine)["ray_actor_options"] == {"num_cpus": 1,
+                                                                             "num_gpus": 1}
+    with pytest.raises(ValueError, match="driver actor holds the GPU"):
+        AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
+                                "deployment": {"ray_actor_options": {"num_gpus": 1}}})
