@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--config", default=str(LOCAL_CONFIG), help="serve config to start from")
     p.add_argument("--port", type=int, default=0, help="0: a free loopback port")
+    p.add_argument("--engine-driver", choices=("actor", "replica"), default="actor",
+                   help="deployment.engine_driver: the engine core in a driver actor or in a "
+                        "thread of the replica")
     p.add_argument("--out", default=None, help="JSON output path")
     return p.parse_args(argv)
 
@@ -163,6 +166,10 @@ def run_served(engine: dict, prompts: list[str], args: argparse.Namespace) -> di
     app_args = config["applications"][0]["args"]
     app_args["engine"] = engine
     app_args["server"]["served_model_name"] = SERVED_NAME
+    deployment = app_args.setdefault("deployment", {})
+    deployment["engine_driver"] = args.engine_driver
+    if args.engine_driver == "replica" and engine.get("device", "cpu").startswith("cuda"):
+        deployment["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}  # it holds the GPU
     port = args.port or free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
