@@ -103,10 +103,12 @@ class DeploymentArgs(BaseModel):
     ray_actor_options: dict[str, Any] | None = None
     placement_group_bundles: list[dict[str, float]] | None = None
     placement_group_strategy: PGStrategy | None = None
-    # Where the engine core runs (serving/engine_core.py): "actor", a driver actor the replica
-    # starts in its placement group (at tp = 1 on a GPU it holds the GPU; the replica keeps
-    # HTTP, tokenizing and streaming), or "replica", a thread of the replica itself.
-    engine_driver: Literal["actor", "replica"] = "actor"
+    # Where the engine core runs (serving/engine_core.py): "replica", a thread of the replica
+    # itself, or "actor", a driver actor the replica starts in its placement group (at tp = 1
+    # on a GPU it holds the GPU; the replica keeps HTTP, tokenizing and streaming). "replica"
+    # stays the default until the actor passes the autoscaling test (it hung there) and is
+    # timed against it on the H200 (scripts/bench_serve.py --engine-driver).
+    engine_driver: Literal["actor", "replica"] = "replica"
     health_check_period_s: float | None = Field(None, gt=0)
     health_check_timeout_s: float | None = Field(None, gt=0)
     graceful_shutdown_timeout_s: float | None = Field(None, ge=0)

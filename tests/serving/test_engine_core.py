@@ -157,7 +157,8 @@ def core_cfg(model_dir: str):
 
 
 def test_a_gpu_driver_gets_the_gpu_bundle_not_the_replica():
-    args = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"}})
+    args = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
+                                   "deployment": {"engine_driver": "actor"}})  # fmt: skip
     opts = args.deployment.options(args.engine)
     assert opts["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}]
     assert "ray_actor_options" not in opts
@@ -166,10 +167,10 @@ def test_a_gpu_driver_gets_the_gpu_bundle_not_the_replica():
     tp2 = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy",
                                              "tp_size": 2}})  # fmt: skip
     assert tp2.deployment.driver_placement(tp2.engine) == {"bundle": 0}
-    thread = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
-                                     "deployment": {"engine_driver": "replica"}})  # fmt: skip
+    thread = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"}})
     assert thread.deployment.options(thread.engine)["ray_actor_options"] == {"num_cpus": 1,
                                                                              "num_gpus": 1}
     with pytest.raises(ValueError, match="driver actor holds the GPU"):
         AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
-                                "deployment": {"ray_actor_options": {"num_gpus": 1}}})
+                                "deployment": {"ray_actor_options": {"num_gpus": 1},
+                                               "engine_driver": "actor"}})
