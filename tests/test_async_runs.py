@@ -91,19 +91,20 @@ def test_async_graphs_run_as_planned_steps(tiny_model_dir):
     # aspire: top-k pages chosen from scores; every row rescores at the refresh layer (draft
     # rows from their query, verify rows from their first and last); ragged rows' attention
     # work planned on the device
-    model_dir = tiny_model_dir("llama")
+    model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
     # ... with no run started early (a started run that is dropped leaves its page scores
     # behind, and later drafts may differ; the tokens do not: the test below)
     planned = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
                       async_overlap_steps=0)  # fmt: skip
     use_eager_graphs(planned, draft_graphs=False)
     on_host = _recording(planned.executor.worker)
-    expected = _greedy(planned)
+    # short outputs (the interpreter): still 38 steps on the graphs, 58 segments compared
+    expected = _greedy(planned, max_tokens=10)
     engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
                      async_overlap_steps=0)  # fmt: skip
     w = use_eager_graphs(engine)
     on_graphs = _recording(w)
-    assert _greedy(engine) == expected
+    assert _greedy(engine, max_tokens=10) == expected
     assert w.async_graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
     assert on_graphs == on_host and len(on_host) > 6  # the same drafts and verifications
 
@@ -191,7 +192,7 @@ def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
     # the next run's first steps start before the current run's tokens are known; requests
     # that finish in between drop out of the started run (staggered lengths), the others
     # continue it on the device: the output is `ar`'s
-    model_dir = tiny_model_dir("llama")
+    model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
     expected = _greedy(_engine(model_dir, "ar"), max_tokens=30)
     engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
                      async_overlap_steps=2)  # fmt: skip

@@ -43,7 +43,8 @@ def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool =
     prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
     # sampled (seeded, top-p): the graph variant that draws (greedy ones run on the GPU:
     # test_gpu_engine.py); the same draws as the host-planned steps
-    params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+    # (7 tokens, the interpreter: still 17 chain steps on the graphs with aspire_fixed)
+    params = [SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(4)]  # fmt: skip
     if greedy:
         params = [SamplingParams(max_tokens=14 + i, temperature=0.0, ignore_eos=True)
@@ -57,7 +58,7 @@ def test_chain_graphs_run_as_planned_steps(tiny_model_dir, mode):
     # aspire_fixed: top-k pages chosen from scores, the refresh layer rescoring every step;
     # magicdec and specattn (subsets of it) run on the GPU (test_gpu_engine.py), sampling too.
     # ar: decode chains on the same graphs (every page listed, the target's random stream)
-    model_dir = tiny_model_dir("llama")
+    model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
     expected, planned, _ = _run(model_dir, mode, draft_graphs=False)
     got, drafted, w = _run(model_dir, mode, draft_graphs=True)
     assert w.draft_graphs.steps > 10, "too few chain steps replayed by the chain graphs"
@@ -72,7 +73,7 @@ def test_round_graphs_verify_as_planned_steps(tiny_model_dir):
     # back to back on the device (two per plan); aspire_fixed: the verification also rescores
     # the pages from each row's first and last query (magicdec's, without scores, a subset)
     mode = "aspire_fixed"
-    model_dir = tiny_model_dir("llama")
+    model_dir = tiny_model_dir("llama_3l")
     expected, planned, _ = _run(model_dir, mode, draft_graphs=False, greedy=True,
                                 rounds_per_plan=2)  # fmt: skip
     # no round started early: a dropped one leaves page scores behind, and later drafts may
