@@ -42,6 +42,13 @@ class AttentionConfig:
     # run on their own CUDA streams, side by side: one after another, the draft rows' short
     # launch leaves most SMs idle while it drains (docs/benchmarks.md §8.23)
     concurrent_launches: bool = True
+    # A mixed step's plan with wide tiles (``FixedPlan.for_rows``): where any row holds
+    # several queries, every row, draft rows too, takes the widest tile, so the step's
+    # attention is one launch. Two launches (the draft rows' 16-row tile beside the verify
+    # rows' 64-row one), side by side or not, took 1.2-1.4x as long on an H200 (10 verify
+    # rows of 9 queries at 32k + 40 draft rows of 140 pages: 112 against 79 us;
+    # docs/benchmarks.md §8.27). False: draft rows keep their own tile and launch.
+    mixed_one_launch: bool = True
     # Register caps of the attention programs (ptxas's maxnreg; None: the compiler's choice)
     # for query tiles below 64 rows (decode and draft rows) and for wider ones (verify rows,
     # prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row

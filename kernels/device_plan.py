@@ -71,9 +71,10 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     [4, merge_capacity], count int64 [1]). Row r's queries are the tokens from
     ``cumsum(n_q)[r - 1]``; rows listing no page get no work (and should hold no query).
     wide_tiles: every row of several queries takes the widest tile of ``block_ms`` (one launch
-    for all of a mixed step's verify rows: launches run one after another, and a launch of a
-    few rows leaves most SMs idle); rows of one query keep theirs. uniform_q: every row (but
-    padding) holds this many queries.
+    for all of a mixed step's verify rows: a launch of a few rows leaves most SMs idle), and
+    with ``cfg.mixed_one_launch`` so does every other row of a step that holds one; rows of
+    one query in a step of such rows only keep theirs. uniform_q: every row (but padding)
+    holds this many queries.
     """
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     kv_len = (n_pages - 1) * page_size + last_len.long()
@@ -81,7 +82,10 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     if uniform_q is not None:  # one tile for all: no per-row tile arithmetic
         row_bm = torch.full_like(n_q, _block_m(uniform_q, group, cfg))
     elif wide_tiles:
-        row_bm = torch.where(n_q > 1, max(block_ms), _block_m(1, group, cfg))
+        wide = n_q > 1
+        if cfg.mixed_one_launch:
+            wide = wide | wide.any()
+        row_bm = torch.where(wide, max(block_ms), _block_m(1, group, cfg))
     else:
         row_bm = _next_power_of_2(n_q * group).clamp(cfg.block_m_min, cfg.block_m_max)
     tokens = row_bm // group  # query tokens per tile

@@ -80,7 +80,8 @@ def _plan_kernel(
     BM3: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BM_MIN: tl.constexpr, BM_MAX: tl.constexpr, BM_WIDE: tl.constexpr, BM_ONE: tl.constexpr,
     MIN_CHUNK: tl.constexpr, FIXED_CHUNK: tl.constexpr, SPLIT_MAX_Q: tl.constexpr,
-    WIDE: tl.constexpr, UNIFORM_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    WIDE: tl.constexpr, ONE_LAUNCH: tl.constexpr, UNIFORM_Q: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     SLOTS: tl.constexpr, RAMP: tl.constexpr, FIT_SPLITS: tl.constexpr,
 ):  # fmt: skip
     me = tl.program_id(0)
@@ -97,7 +98,10 @@ def _plan_kernel(
     else:
         n_q = tl.load(n_q_ptr + r, mask=r_ok, other=0).to(tl.int64)
         if WIDE:
-            row_bm = tl.where(n_q > 1, BM_WIDE, BM_ONE).to(tl.int64)
+            wide = n_q > 1
+            if ONE_LAUNCH:  # a row of several queries takes every row into the widest tile
+                wide = wide | (tl.max(wide.to(tl.int32), 0) > 0)
+            row_bm = tl.where(wide, BM_WIDE, BM_ONE).to(tl.int64)
         else:
             row_bm = tl.minimum(tl.maximum(_next_pow2(n_q * GROUP), BM_MIN), BM_MAX)
     qo_start = _excl_cumsum(n_q)
@@ -198,6 +202,7 @@ def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_star
         BM_WIDE=max(block_ms),
         BM_ONE=_block_m(1, group, cfg), MIN_CHUNK=cfg.min_chunk_pages,
         FIXED_CHUNK=cfg.kv_chunk_pages or 0, SPLIT_MAX_Q=cfg.split_max_q, WIDE=wide_tiles,
+        ONE_LAUNCH=cfg.mixed_one_launch,
         UNIFORM_Q=uniform_q or 0, BLOCK_R=max(16, triton.next_power_of_2(rows + 1)),
         BLOCK_I=_ITEMS_BLOCK, SLOTS=(cfg.resident_programs or 0) * num_sms, RAMP=cfg.ramp_pages,
         FIT_SPLITS=FIT_SPLITS, num_warps=4,

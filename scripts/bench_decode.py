@@ -70,6 +70,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "noregs": {"attention_options": {"wide_max_registers": None}},
     # the older split-KV chunk (total pages / (waves x SMs)), not the wave-fitted one
     "oldsplit": {"attention_options": {"resident_programs": None}},
+    # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
+    "twolaunch": {"attention_options": {"mixed_one_launch": False}},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

@@ -44,6 +44,10 @@ VARIANTS = {  # name -> AttentionConfig overrides tried beside the default
     "waves6": {"waves": 6.0, "resident_programs": None},
     "waves16": {"waves": 16.0, "resident_programs": None},
     "waves32": {"waves": 32.0, "resident_programs": None},
+    # a mixed call's launches (draft rows' tile, verify rows' tile) one after another, or
+    # every row in the verify rows' tile (one launch)
+    "seqattn": {"concurrent_launches": False},
+    "onelaunch": {"block_m_min": 64},
 }
 
 

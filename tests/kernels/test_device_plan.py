@@ -155,10 +155,13 @@ def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     assert torch.equal(lse[: q.shape[0]], lse_expected)
 
 
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
 @pytest.mark.parametrize("cfg", CONFIGS[1:], ids=IDS[1:])
-def test_wide_tiles_put_every_verify_row_in_one_launch(cfg):
-    """A mixed step's verify rows in the widest tile's launch, its draft rows in their own:
-    the same output as the host plan's per-row tiles (fp32)."""
+def test_wide_tiles_put_every_verify_row_in_one_launch(cfg, one_launch):
+    """A mixed step's verify rows in the widest tile's launch, and its draft rows with them
+    (``mixed_one_launch``) or in their own; a step of draft rows only keeps their tile: the
+    same output as the host plan's per-row tiles (fp32)."""
+    cfg = replace(cfg, mixed_one_launch=one_launch)
     heads, n_q = (8, 2, 64), [1, 4, 1, 2, 7]
     q, kv, meta = paged_case(n_q, [700, 33, 260, 90, 120], heads, torch.float32, "cpu", PS,
                              True, 6)  # fmt: skip
@@ -166,15 +169,19 @@ def test_wide_tiles_put_every_verify_row_in_one_launch(cfg):
     plan = FixedPlan.for_rows(5, 16, 7, kv.shape[0], *heads, torch.device("cpu"), cfg,
                               wide_tiles=True)  # fmt: skip
     assert len(plan.plan.launches) == 2  # draft rows' tile and the widest
-    plan.load_rows(meta.kv_indptr, meta.kv_last_page_len, torch.tensor(n_q), PS)
-    rows_per_launch = [set(launch.work[0, : launch.count.item()].tolist())
-                       for launch in plan.plan.launches]  # fmt: skip
-    assert rows_per_launch == [{0, 2}, {1, 3, 4}]
+
+    def rows_per_launch(n_q):
+        plan.load_rows(meta.kv_indptr, meta.kv_last_page_len, torch.tensor(n_q), PS)
+        return [set(launch.work[0, : launch.count.item()].tolist())
+                for launch in plan.plan.launches]  # fmt: skip
+
+    assert rows_per_launch([1] * 5) == [set(range(5)), set()]
+    assert rows_per_launch(n_q) == ([set(), set(range(5))] if one_launch
+                                    else [{0, 2}, {1, 3, 4}])  # fmt: skip
     fixed = PagedKVMeta(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                         PS, fixed_plan=plan)  # fmt: skip
     torch.testing.assert_close(paged_attention(q, kv, fixed, 0.125, config=cfg), expected,
                                rtol=1e-5, atol=1e-6)  # fmt: skip
-
 
 
 def _loaded(plan: FixedPlan, fused: bool, load) -> list[tuple[int, np.ndarray]]:
@@ -191,11 +198,14 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
-@pytest.mark.parametrize("wide", [False, True], ids=["tiles", "wide"])
+@pytest.mark.parametrize("wide", [False, True, "two"], ids=["tiles", "wide", "wide-two"])
 @pytest.mark.parametrize("n_q", [[1, 6, 1, 3, 1], [2, 1, 1, 17], [1]])
 def test_fused_planning_writes_the_tensor_ops_lists(cfg, wide, n_q):
     """``plan_kernel.plan_into`` (one launch) fills a fixed plan exactly as
-    ``attention_items``' tensor ops do, for ragged rows and a padding row."""
+    ``attention_items``' tensor ops do, for ragged rows and a padding row; wide tiles with a
+    mixed step's rows in one launch or ("two") its draft rows in their own."""
+    if wide == "two":
+        cfg, wide = replace(cfg, mixed_one_launch=False), True
     pages = [40, 3, 200, 9, 65][: len(n_q)]
     lasts = np.random.default_rng(len(n_q)).integers(1, PS + 1, len(n_q)).tolist()
     indptr = torch.tensor([0, *np.cumsum(pages).tolist(), sum(pages)], dtype=torch.int32)
