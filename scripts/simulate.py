@@ -17,7 +17,8 @@ b_model + b_tok * n_tokens + b_kv * kv_tokens over the engine's own features
 instead of b_model (the host round trip a chain saves); the driver adds ``host_per_plan`` per
 plan (scheduling, commit, the benchmark loop). ``--costs`` takes the coefficients as JSON, an
 engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON (per mode: its
-``breakdown``), a trace file (its recorded modes' measurements) or a bench_floor JSON (the
+``breakdown``'s fit, or, where it kept its prior, its measured steps: ``costs_from_steps``),
+a trace file (its recorded modes' measurements) or a bench_floor JSON (the
 three terms fitted to its steps by the engine's CostModel).
 
 Predicted tokens/s is committed tokens over simulated decode time, in bench_decode's window
@@ -266,6 +267,9 @@ def load_costs(path: str, mode: str, meta: dict) -> StepCosts:
         raise SystemExit(f"{path}: no measured run of mode {mode!r} "
                          f"(has {sorted({r.get('mode') for r in results})})")
     r = match[0]
+    status = r["breakdown"]["cost_model"].get("status", "fit")
+    if status.startswith("prior"):  # nothing fitted: priced from its measured steps
+        return costs_from_steps(r, results, meta, f"{path}:{mode}")
     costs = costs_from_breakdown(r["breakdown"], r.get("decode_seconds"), f"{path}:{mode}")
     return _with_chain_cost(costs, r, meta)
 
@@ -287,6 +291,66 @@ def costs_from_breakdown(b: dict, decode_seconds: float | None, source: str) -> 
     return StepCosts(cm["b_model"], cm["b_tok"], cm["b_kv"], None, max(host, 0.0), source)
 
 
+def _window_context(r: dict, meta: dict) -> int:
+    """A run's mean context in its decode window: the prompt and half its new tokens."""
+    batch = int(r.get("batch", 1))
+    prompt = int(r["context"]) if str(r.get("context")).isdigit() else meta["mean_prompt_len"]
+    return prompt + r["tokens"] // (2 * batch)
+
+
+def _rows_features(policy: DraftPolicy, kind: RowKind, ctx: int, drafts: int,
+                   batch: int) -> tuple[int, float]:  # fmt: skip
+    """``step_features`` of a step of ``batch`` like rows: drafts (one query each) or
+    verifications of ``drafts`` drafts (``ar``'s steps: none)."""
+    row = RowPlan("x", kind, [0] * (1 + drafts), ctx - 1, 0, [], num_drafts=drafts)
+    return policy.step_features([row] * batch)
+
+
+def costs_from_steps(r: dict, results: list[dict], meta: dict, source: str) -> StepCosts:
+    """A run whose cost model kept its prior (``ar``, whose steps have too few shapes, and
+    the round modes, whose plans hold a chain and its verification: not separable), priced
+    from its own measured steps: the prior's b_tok; b_kv from the same file's `ar` steps past
+    the prior's b_model (every mode reads its KV at the same speed; the prior's b_kv is the
+    copy bandwidth's bound, which a decode step beats by ~7% on an H200); and one per-step
+    term for every forward of the mode, draft or verify, chained or not, solved so that the
+    model's mean step (`ar`) or round (a fixed gamma's g draft steps and its verification, at
+    the window's mean context) costs what was measured. A forward's fixed cost (weights,
+    launches) does not depend on its rows' kinds, so the same term prices `aspire`'s mixed
+    steps when this mode's costs price it (``--cost-mode``)."""
+    b = r["breakdown"]
+    prior, kinds, seconds = b["cost_model"]["prior"], b["step_kinds"], b["step_seconds"]
+    b_model, b_tok, b_kv = prior["b_model"], prior["b_tok"], prior["b_kv"]
+    batch = int(r.get("batch", 1))
+    ar = next((x for x in results if x.get("mode") == "ar" and "breakdown" in x
+               and x["breakdown"]["step_kinds"].get("verify")), None)  # fmt: skip
+    if ar is not None:
+        ak = ar["breakdown"]
+        step = ak["step_seconds"]["verify"] / ak["step_kinds"]["verify"]
+        n, kv = _rows_features(_policy("ar", meta), RowKind.VERIFY, _window_context(ar, meta),
+                               0, int(ar.get("batch", 1)))  # fmt: skip
+        if step - b_model - b_tok * n > 0 and kv > 0:
+            b_kv = (step - b_model - b_tok * n) / kv
+    spec_mode = r["mode"].partition("/")[0]
+    policy, ctx = _policy(spec_mode, meta), _window_context(r, meta)
+    if kinds.get("round"):  # g chained draft steps and a verification of g drafts a round
+        g = int(r.get("gamma") or SpecConfig(mode=spec_mode).gamma)
+        n_d, kv_d = _rows_features(policy, RowKind.DRAFT, ctx, 0, batch)
+        n_v, kv_v = _rows_features(policy, RowKind.VERIFY, ctx, g, batch)
+        slopes = g * (b_tok * n_d + b_kv * kv_d) + b_tok * n_v + b_kv * kv_v
+        per_step = (seconds["round"] / kinds["round"] - slopes) / (g + 1)
+    elif kinds.get("verify"):  # decode chains (or single steps) of `ar`
+        n, kv = _rows_features(policy, RowKind.VERIFY, ctx, 0, batch)
+        per_step = seconds["verify"] / kinds["verify"] - b_tok * n - b_kv * kv
+    else:
+        raise SystemExit(f"{source}: its cost model was not fitted ({b['cost_model']['status']}) "
+                         f"and it ran no round or `ar` step to price from")
+    plans = max(b["steps"], 1)
+    host = (r["decode_seconds"] - b["timings"].get("total", 0.0)) / plans \
+        if r.get("decode_seconds") is not None else 0.0  # fmt: skip
+    per_step = max(per_step, 0.0)
+    return StepCosts(per_step, b_tok, b_kv, per_step, max(host, 0.0), f"{source} (measured steps)")
+
+
 def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
     """A run with draft chains (fewer plans than steps): chain_b_model makes the model's mean
     draft step equal the measured one (a full batch at the window's mean context)."""
@@ -296,13 +360,9 @@ def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
     if not drafts or b["steps"] >= sum(b["step_kinds"].values()) or "round" in b["step_kinds"]:
         return costs
     measured = b["step_seconds"]["draft"] / drafts
-    spec_mode = r["mode"].partition("/")[0]
-    policy = _policy(spec_mode, meta)
-    batch = int(r.get("batch", 1))
-    prompt = int(r["context"]) if str(r.get("context")).isdigit() else meta["mean_prompt_len"]
-    ctx = prompt + r["tokens"] // (2 * batch)
-    row = RowPlan("x", RowKind.DRAFT, [0], ctx - 1, 0, [])
-    n, kv = policy.step_features([row] * batch)
+    policy = _policy(r["mode"].partition("/")[0], meta)
+    n, kv = _rows_features(policy, RowKind.DRAFT, _window_context(r, meta), 0,
+                           int(r.get("batch", 1)))
     chain_b_model = max(0.0, measured - costs.b_tok * n - costs.b_kv * kv)
     return StepCosts(costs.b_model, costs.b_tok, costs.b_kv, chain_b_model,
                      costs.host_per_plan, costs.source)

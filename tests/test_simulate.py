@@ -174,6 +174,42 @@ def test_costs_from_measurements(mods, tmp_path):
         assert c.b_kv > 0 and c.chain_b_model is not None and c.chain_b_model < c.b_model
 
 
+def test_costs_from_measured_steps(mods):
+    """Runs whose cost model kept its prior (`ar`; the round modes, whose plans mix a chain and
+    its verification) are priced from their own measured steps: b_kv from `ar`'s steps past
+    the prior's b_model, and one per-forward term that makes the model's `ar` step and a
+    round of g drafts and a verification cost what was measured."""
+    sim = mods["simulate"]
+    meta = {"num_layers": 24, "page_size": 16, "spec": {}, "mean_prompt_len": 32000}
+    prior = {"b_model": 2.5e-4, "b_tok": 1e-6, "b_kv": 4e-9, "r2": None}
+
+    def run(mode, kinds, seconds, gamma=None):
+        cm = {**prior, "status": "prior: 2 distinct step shapes < 6", "prior": prior}
+        b = {"cost_model": cm, "step_kinds": {"prefill": 0, **kinds},
+             "step_seconds": {"prefill": 0.0, **seconds}, "steps": 6,
+             "timings": {"total": sum(seconds.values())}}  # fmt: skip
+        return {"mode": mode, "batch": 64, "context": "32000", "tokens": 64 * 128,
+                "decode_seconds": sum(seconds.values()) + 0.06, "gamma": gamma, "breakdown": b}
+
+    results = [run("ar", {"verify": 100}, {"verify": 0.75}),
+               run("aspire_fixed", {"round": 24}, {"round": 0.456}, gamma=5)]
+    ar = sim.costs_from_steps(results[0], results, meta, "test")
+    af = sim.costs_from_steps(results[1], results, meta, "test")
+    assert af.b_kv == ar.b_kv != prior["b_kv"] and af.b_tok == prior["b_tok"]
+    assert ar.b_model == ar.chain_b_model == pytest.approx(prior["b_model"])
+    assert af.b_model == af.chain_b_model > ar.b_model  # a draft forward's launches
+    assert af.host_per_plan == pytest.approx(0.01)  # 60 ms outside the worker, 6 plans
+    policy, ctx = sim._policy("aspire_fixed", meta), 32000 + 64
+    draft = af.worker_seconds(*sim._rows_features(policy, sim.RowKind.DRAFT, ctx, 0, 64))
+    verify = af.worker_seconds(*sim._rows_features(policy, sim.RowKind.VERIFY, ctx, 5, 64))
+    assert 5 * draft + verify == pytest.approx(0.456 / 24)  # the measured round
+    step = ar.worker_seconds(*sim._rows_features(sim._policy("ar", meta), sim.RowKind.VERIFY,
+                                                 ctx, 0, 64))  # fmt: skip
+    assert step == pytest.approx(0.75 / 100)
+    with pytest.raises(SystemExit, match="no round or `ar` step"):
+        sim.costs_from_steps(run("magicdec", {"draft": 5}, {"draft": 0.01}), results, meta, "t")
+
+
 @pytest.mark.timeout(120)
 def test_cli(recorded, tmp_path):
     path, _ = recorded
