@@ -208,6 +208,7 @@ def build_server(args: AppArgs, driver_actor: bool = False) -> tuple[FastAPI, As
 
         # the driver first: it resolves (and, for a GGUF, converts) the model once
         core = ActorCore(cfg, cpu_threads=args.server.cpu_threads,
+                         placement_timeout_s=args.deployment.driver_placement_timeout_s,
                          **args.deployment.driver_placement(args.engine))  # fmt: skip
         try:
             engine = AsyncLLMEngine(core, metrics, tokenizer=load_tokenizer(cfg))

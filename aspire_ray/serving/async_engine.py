@@ -211,9 +211,10 @@ class AsyncLLMEngine:
                     with self._cv:
                         self._streams.pop(add.request_id, None)
                     add.done.set_exception(exc)
-                self._deliver(result.outputs)
+                # the stats first: a caller woken by a step's outputs sees that step's stats
                 self._busy = result.busy
                 self._stats = result.stats
+                self._deliver(result.outputs)
             except Exception as exc:  # noqa: BLE001 - any step failure ends the engine
                 logger.exception("engine step failed; failing all in-flight requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"),

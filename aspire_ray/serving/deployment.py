@@ -3,10 +3,12 @@
 ``build_app`` is what ``serve run`` calls
 (``import_path: aspire_ray.serving.deployment:build_app``).
 
-The replica starts the engine core in its constructor: in a thread of the replica (the
-default), or with ``deployment.engine_driver: actor`` in a driver actor of its own
-(``engine_core.ActorCore``, in the replica's placement group; a tp > 1 engine's shard workers
-go to the group's other bundles, see ``DeploymentArgs.options`` and ``driver_placement``).
+The replica starts the engine core in its constructor: by default in a driver actor of its
+own (``engine_core.ActorCore``, in the replica's placement group; a tp > 1 engine's shard
+workers go to the group's other bundles, see ``DeploymentArgs.options`` and
+``driver_placement``; a driver Ray cannot place fails the constructor after
+``deployment.driver_placement_timeout_s``), or in a thread of the replica
+(``deployment.engine_driver: replica``).
 It serves the app from ``create_app`` and reports unhealthy to Serve once the engine loop has
 failed or its driver died, so Serve replaces the replica (and the replica's driver and shard
 workers, which it owns, end with it).

@@ -109,18 +109,42 @@ class EngineCore:
         self.engine.shutdown()
 
 
+class DriverPlacementError(RuntimeError):
+    """Ray did not place or start the driver actor in time (resources it can never get)."""
+
+
+class _Driver(EngineCore):
+    """The driver actor's class: its constructor does nothing, so that Ray placing and starting
+    the actor (seconds) is waited for apart from ``start`` building the engine (loading a
+    model, converting a GGUF, a calibration sweep: minutes)."""
+
+    def __init__(self) -> None:  # the engine comes with start()
+        pass
+
+    def start(self, cfg: EngineConfig, cpu_threads: int | None) -> CoreFacts:
+        super().__init__(cfg, cpu_threads)
+        return self.facts()
+
+
 class ActorCore:
     """``EngineCore`` in a Ray actor (the replica's driver), behind the same methods.
 
     Placement: in the replica's placement group when it has one (bundle ``bundle``; the
     driver's own shard workers are placed in the group's other bundles, as the replica's
-    were), with the resources given (at tp = 1 on a GPU, the GPU)."""
+    were), else on the replica's node; with the resources given (at tp = 1 on a GPU, the
+    GPU). A driver Ray has not started within ``placement_timeout_s`` (its bundle lacks the
+    resources it asks for, no node has them) fails the constructor with
+    ``DriverPlacementError`` instead of waiting forever."""
 
     def __init__(self, cfg: EngineConfig, num_cpus: float = 0, num_gpus: float = 0,
-                 bundle: int | None = None, cpu_threads: int | None = None) -> None:  # fmt: skip
+                 bundle: int | None = None, cpu_threads: int | None = None,
+                 placement_timeout_s: float = 60.0) -> None:  # fmt: skip
         import ray
         from ray.util.placement_group import get_current_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
 
         # one call at a time (EngineCore is not thread-safe); a dead driver is not restarted:
         # the replica fails its streams and Serve replaces the replica
@@ -131,11 +155,27 @@ class ActorCore:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=bundle,
                 placement_group_capture_child_tasks=True)  # fmt: skip
+        elif pg is None:  # beside the replica: the step calls stay on its node
+            node = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         self._ray = ray
-        self.actor = ray.remote(EngineCore).options(**options).remote(cfg, cpu_threads)
+        self.actor = ray.remote(_Driver).options(**options).remote()
         try:
-            self._facts = ray.get(self.actor.facts.remote())
-        except Exception:
+            try:
+                ray.get(self.actor.ping.remote(), timeout=placement_timeout_s)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnschedulableError) as e:
+                late = isinstance(e, ray.exceptions.GetTimeoutError)
+                why = (f"was not started within {placement_timeout_s:g} s" if late
+                       else "cannot be placed")
+                where = ("on the replica's node" if pg is None else
+                         f"in bundle {bundle} of the replica's placement group {pg.bundle_specs}")
+                raise DriverPlacementError(
+                    f"the engine driver actor (num_cpus={num_cpus}, num_gpus={num_gpus}) {why} "
+                    f"{where}; Ray has free {ray.available_resources()}: give the driver a "
+                    f"bundle that holds what it asks for (deployment.placement_group_bundles) "
+                    f"or set deployment.engine_driver: replica") from None
+            self._facts = ray.get(self.actor.start.remote(cfg, cpu_threads))
+        except BaseException:
             ray.kill(self.actor)
             raise
 

@@ -85,8 +85,9 @@ class ServerArgs(BaseModel):
     # more get a 429. None: no cap here (Serve's deployment.max_ongoing_requests still queues
     # requests beyond it before they reach the replica, so a cap only acts below that).
     max_concurrent_requests: int | None = Field(None, ge=1)
-    # torch CPU threads in the replica; None leaves torch's default (Ray sets it from
-    # num_cpus), 0 means all cores of the machine.
+    # torch CPU threads of the engine (in its driver actor, or the replica with
+    # engine_driver: replica); None leaves torch's default (Ray sets it from num_cpus), 0
+    # means all cores of the machine.
     cpu_threads: int | None = Field(None, ge=0)
 
 
@@ -103,12 +104,14 @@ class DeploymentArgs(BaseModel):
     ray_actor_options: dict[str, Any] | None = None
     placement_group_bundles: list[dict[str, float]] | None = None
     placement_group_strategy: PGStrategy | None = None
-    # Where the engine core runs (serving/engine_core.py): "replica", a thread of the replica
-    # itself, or "actor", a driver actor the replica starts in its placement group (at tp = 1
-    # on a GPU it holds the GPU; the replica keeps HTTP, tokenizing and streaming). "replica"
-    # stays the default until the actor passes the autoscaling test (it hung there) and is
-    # timed against it on the H200 (scripts/bench_serve.py --engine-driver).
-    engine_driver: Literal["actor", "replica"] = "replica"
+    # Where the engine core runs (serving/engine_core.py): "actor", a driver actor the replica
+    # starts in its placement group (``driver_placement``; at tp = 1 on a GPU it holds the
+    # GPU; the replica keeps HTTP, tokenizing and streaming), or "replica", a thread of the
+    # replica itself.
+    engine_driver: Literal["actor", "replica"] = "actor"
+    # How long a replica waits for Ray to place and start its driver actor (not for the engine
+    # to load) before its constructor fails with the resources the driver asked for.
+    driver_placement_timeout_s: float = Field(60.0, gt=0)
     health_check_period_s: float | None = Field(None, gt=0)
     health_check_timeout_s: float | None = Field(None, gt=0)
     graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
@@ -122,7 +125,8 @@ class DeploymentArgs(BaseModel):
     def options(self, engine: EngineArgs) -> dict[str, Any]:
         """The ``.options(...)`` keywords; a tp > 1 engine gets one bundle per shard worker,
         a GPU engine in a driver actor a bundle for the driver's GPU."""
-        opts = self.model_dump(exclude_none=True, exclude={"engine_driver"})
+        opts = self.model_dump(exclude_none=True,
+                               exclude={"engine_driver", "driver_placement_timeout_s"})
         accel = "GPU" if engine.device.startswith("cuda") else "CPU"
         if engine.tp_size > 1 and self.placement_group_bundles is None:
             # Bundle 0 holds the replica (and its driver actor); the executor puts its workers
@@ -139,15 +143,17 @@ class DeploymentArgs(BaseModel):
 
     def driver_placement(self, engine: EngineArgs) -> dict[str, Any]:
         """The driver actor's bundle of the replica's placement group and its resources
-        (``engine_core.ActorCore``): at tp = 1 on a GPU bundle 1 and its GPU, at tp > 1 the
-        replica's bundle 0 (its shard workers take the others), on a CPU none."""
-        if engine.tp_size > 1:
+        (``engine_core.ActorCore``): at tp = 1 bundle 1 with that bundle's resources (on a GPU
+        its GPU; by default ``[{CPU: 1}, {GPU: 1}]``), at tp > 1 or in a one-bundle group the
+        replica's bundle 0 with none (the shard workers take the others); without a group
+        (a CPU replica given no bundles) none, beside the replica."""
+        bundles = self.options(engine).get("placement_group_bundles")
+        if bundles is None:
+            return {}
+        if engine.tp_size > 1 or len(bundles) == 1:
             return {"bundle": 0}
-        if engine.device.startswith("cuda"):
-            bundle = (self.placement_group_bundles or [{}, {"GPU": 1}])[1]
-            return {"bundle": 1, "num_gpus": bundle.get("GPU", 0),
-                    "num_cpus": bundle.get("CPU", 0)}  # fmt: skip
-        return {}
+        return {"bundle": 1, "num_cpus": bundles[1].get("CPU", 0),
+                "num_gpus": bundles[1].get("GPU", 0)}  # fmt: skip
 
 
 class AppArgs(BaseModel):
@@ -164,6 +170,12 @@ class AppArgs(BaseModel):
         bundles = self.deployment.placement_group_bundles
         tp = self.engine.tp_size
         gpu = self.engine.device.startswith("cuda")
+        if bundles is not None and not gpu and any(b.get("GPU", 0) for b in bundles):
+            # a group Ray can never place on CPU-only nodes: the replica would wait forever
+            raise ValueError(
+                f"deployment.placement_group_bundles {bundles} reserve a GPU but engine.device "
+                f"is {self.engine.device!r}: give a CPU engine CPU bundles (e.g. "
+                f"[{{CPU: 1}}, {{CPU: 1}}], the replica's and its driver actor's)")
         if self.deployment.engine_driver == "actor" and tp == 1 and gpu:
             replica_gpus = (self.deployment.ray_actor_options or {}).get("num_gpus", 0)
             if replica_gpus:
@@ -176,6 +188,13 @@ class AppArgs(BaseModel):
                 raise ValueError(
                     "deployment.placement_group_bundles: with engine_driver 'actor' on a GPU, "
                     "bundle 1 holds the driver actor and needs {GPU: 1}")
+        if self.deployment.engine_driver == "replica" and tp == 1 and gpu:
+            actor = self.deployment.options(self.engine).get("ray_actor_options") or {}
+            if not actor.get("num_gpus", 0):
+                raise ValueError(
+                    "deployment.ray_actor_options.num_gpus: with engine_driver 'replica' the "
+                    "replica runs the engine and needs the GPU: set num_gpus: 1 (and a GPU in "
+                    "bundle 0 of placement_group_bundles, if set), or drop engine_driver")
         if bundles is not None and tp > 1:
             accel = "GPU" if self.engine.device.startswith("cuda") else "CPU"
             workers = sum(1 for b in bundles[1:] if b.get(accel, 0) >= 1)

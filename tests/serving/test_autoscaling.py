@@ -1,5 +1,6 @@
 """Autoscaling under Ray Serve (issue 16, item 4): serve_configs/autoscale.yaml's application on
-the CPU with the tiny model, its autoscaling windows shortened to seconds.
+the CPU with the tiny model, its autoscaling windows shortened to seconds; each replica's engine
+runs in its driver actor (the default), in bundle 1 of the replica's placement group.
 
 Sustained load (8 clients, streaming and not) raises the replica count from 1 to 2; a trickle of
 2 clients (one request in flight per replica, under target_ongoing_requests) then lets Serve
@@ -16,6 +17,8 @@ import time
 
 import httpx
 import pytest
+
+from aspire_ray.serving.settings import AppArgs
 
 from .server_utils import config_args, ray_serve_app, wait_until
 
@@ -45,6 +48,17 @@ def _replica_states() -> dict[str, int]:
     deployment = serve.status().applications["aspire"].deployments["AspireServer"]
     return {getattr(state, "value", state): n for state, n in deployment.replica_states.items()
             if n}
+
+
+def _drivers_in_their_bundles() -> int:
+    """Replica placement groups whose bundle 1 (its driver actor's) is in use: Ray lists a
+    bundle's free CPU while something may still take it, and drops it once it is all taken."""
+    import ray
+
+    free = ray.available_resources()
+    groups = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+              if pg["state"] == "CREATED" and pg["name"].startswith("SERVE_REPLICA::aspire#")]
+    return sum(f"CPU_group_1_{pg_id}" not in free for pg_id in groups)
 
 
 class Clients:
@@ -115,13 +129,23 @@ class Clients:
 @pytest.fixture()
 def autoscaled_url(tiny_chat_model):
     """Base URL of autoscale.yaml's application on the CPU: tiny model, one replica to start,
-    half a logical CPU per replica (two fit on the 2-core machine)."""
+    each replica's engine in its driver actor (the default engine_driver). The YAML's GPU
+    bundle becomes a CPU one: a replica's placement group is half a logical CPU for the
+    replica (bundle 0) and half for its driver (bundle 1), so two replicas fit the 2 CPUs
+    of the Ray instance. (The YAML's {GPU: 1} left on a CPU-only instance is a group Ray
+    never places: serve.run waited forever; AppArgs now refuses it.)"""
     pytest.importorskip("ray")
     args = config_args("autoscale", model=tiny_chat_model, device="cpu", dtype="float32",
                        calibrate="off", num_pages=128, max_num_batched_tokens=256)
     args["server"].update(served_model_name="tiny", cpu_threads=1)
-    args["deployment"]["autoscaling_config"].update(AUTOSCALING)
-    args["deployment"]["ray_actor_options"] = {"num_cpus": 0.5}
+    deployment = args["deployment"]
+    deployment["autoscaling_config"].update(AUTOSCALING)
+    deployment["ray_actor_options"] = {"num_cpus": 0.5}
+    deployment["placement_group_bundles"] = [{"CPU": 0.5}, {"CPU": 0.5}]
+    parsed = AppArgs.model_validate(args)
+    assert parsed.deployment.engine_driver == "actor"
+    assert parsed.deployment.driver_placement(parsed.engine) == {"bundle": 1, "num_cpus": 0.5,
+                                                                 "num_gpus": 0}  # fmt: skip
     with ray_serve_app(args, num_cpus=2) as url:
         yield url
 
@@ -136,8 +160,11 @@ def test_load_scales_out_and_idle_scales_back_without_failures(autoscaled_url):
         t_up = time.monotonic() - t0
         # keep the load until both replicas have answered: the new one takes traffic
         wait_until(lambda: len({o[1] for o in outcomes if o[0] == 200}) >= 2, timeout=30)
+        # each replica's engine runs in its driver actor, in the replica's placement group
+        drivers_placed = wait_until(lambda: _drivers_in_their_bundles() == 2, timeout=10)
     load = list(outcomes)
     assert scaled_out, f"still {_replica_states()} after {UPSCALE_WITHIN_S} s of load"
+    assert drivers_placed, f"{_drivers_in_their_bundles()} of 2 replicas' drivers in bundle 1"
 
     outcomes.clear()
     stopping_seen = []

@@ -14,7 +14,12 @@ from aspire_ray import SamplingParams
 from aspire_ray.llm import build_engine_config
 from aspire_ray.sampling_params import InvalidRequestError
 from aspire_ray.serving.async_engine import AsyncLLMEngine
-from aspire_ray.serving.engine_core import ActorCore, EngineCore, NewRequest
+from aspire_ray.serving.engine_core import (
+    ActorCore,
+    DriverPlacementError,
+    EngineCore,
+    NewRequest,
+)
 from aspire_ray.serving.errors import EngineDeadError
 from aspire_ray.serving.settings import AppArgs
 
@@ -125,31 +130,84 @@ def test_driver_death_while_idle_is_found_by_the_health_probe(tiny_chat_model, r
 
 
 def test_the_replica_takes_its_driver_with_it(tiny_chat_model, ray_instance):
+    """A replica in a placement group of a bundle for itself and one for its driver (the CPU
+    form of serve_configs/autoscale.yaml): the driver takes bundle 1's CPU, and ends with the
+    replica that owns it."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0.5)
     class Replica:  # a stand-in for a Serve replica: it owns the driver it starts
         def __init__(self, cfg):
-            self.core = ActorCore(cfg)
+            self.core = ActorCore(cfg, num_cpus=0.5, bundle=1)
 
         def driver(self):
             return self.core.actor
 
-    replica = Replica.remote(core_cfg(tiny_chat_model))
-    driver = ray.get(replica.driver.remote())
-    assert ray.get(driver.ping.remote())
-    ray.kill(replica)
+    pg = placement_group([{"CPU": 0.5}, {"CPU": 0.5}], strategy="STRICT_PACK")
+    ray.get(pg.ready())
+    bundle_1_free = f"CPU_group_1_{pg.id.hex()}"  # listed while any of it is free
+    assert wait_until(lambda: bundle_1_free in ray.available_resources())
+    try:
+        replica = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+        ).remote(core_cfg(tiny_chat_model))  # fmt: skip
+        driver = ray.get(replica.driver.remote())
+        assert ray.get(driver.ping.remote())
+        assert wait_until(lambda: bundle_1_free not in ray.available_resources())
+        ray.kill(replica)
 
-    def gone() -> bool:
-        try:
-            ray.get(driver.ping.remote(), timeout=1)
-        except ray.exceptions.RayActorError:
+        def gone() -> bool:
+            try:
+                ray.get(driver.ping.remote(), timeout=1)
+            except ray.exceptions.RayActorError:
+                return True
+            except ray.exceptions.GetTimeoutError:
+                pass
+            return False
+
+        assert wait_until(gone, timeout=20)
+    finally:
+        remove_placement_group(pg)
+
+
+def test_a_driver_ray_cannot_place_fails_the_replica_in_time(tiny_chat_model, ray_instance):
+    """The replica's constructor fails with the driver's resources instead of waiting forever:
+    at once where no node can hold the driver, after the timeout where its bundle stays
+    taken."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cfg = core_cfg(tiny_chat_model)
+    with pytest.raises(DriverPlacementError, match=r"num_gpus=1\) cannot be placed on the"):
+        ActorCore(cfg, num_gpus=1)  # beside the replica, on a node without a GPU
+
+    @ray.remote(num_cpus=0.5)
+    class Holder:  # something else in the driver's bundle
+        def ping(self):
             return True
-        except ray.exceptions.GetTimeoutError:
-            pass
-        return False
 
-    assert wait_until(gone, timeout=20)
+    @ray.remote(num_cpus=0.5)
+    class Replica:
+        def start_driver(self, cfg):
+            ActorCore(cfg, num_cpus=0.5, bundle=1, placement_timeout_s=2)
+
+    pg = placement_group([{"CPU": 0.5}, {"CPU": 0.5}], strategy="STRICT_PACK")
+    try:
+        in_bundle = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i,
+                                                      placement_group_capture_child_tasks=True)
+                     for i in (0, 1)]  # fmt: skip
+        holder = Holder.options(scheduling_strategy=in_bundle[1]).remote()
+        assert ray.get(holder.ping.remote())
+        replica = Replica.options(scheduling_strategy=in_bundle[0]).remote()
+        t0 = time.monotonic()
+        with pytest.raises(DriverPlacementError, match=r"not started within 2 s in bundle 1"):
+            ray.get(replica.start_driver.remote(cfg))
+        assert time.monotonic() - t0 < 30
+    finally:
+        remove_placement_group(pg)
 
 
 def core_cfg(model_dir: str):
@@ -157,8 +215,8 @@ def core_cfg(model_dir: str):
 
 
 def test_a_gpu_driver_gets_the_gpu_bundle_not_the_replica():
-    args = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
-                                   "deployment": {"engine_driver": "actor"}})  # fmt: skip
+    args = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"}})
+    assert args.deployment.engine_driver == "actor"  # the default
     opts = args.deployment.options(args.engine)
     assert opts["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}]
     assert "ray_actor_options" not in opts
@@ -167,10 +225,33 @@ def test_a_gpu_driver_gets_the_gpu_bundle_not_the_replica():
     tp2 = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy",
                                              "tp_size": 2}})  # fmt: skip
     assert tp2.deployment.driver_placement(tp2.engine) == {"bundle": 0}
-    thread = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"}})
+    thread = AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
+                                     "deployment": {"engine_driver": "replica"}})  # fmt: skip
     assert thread.deployment.options(thread.engine)["ray_actor_options"] == {"num_cpus": 1,
                                                                              "num_gpus": 1}
     with pytest.raises(ValueError, match="driver actor holds the GPU"):
         AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
-                                "deployment": {"ray_actor_options": {"num_gpus": 1},
-                                               "engine_driver": "actor"}})
+                                "deployment": {"ray_actor_options": {"num_gpus": 1}}})
+    with pytest.raises(ValueError, match="'replica' the replica runs the engine"):  # gpu.yaml's
+        AppArgs.model_validate({"engine": {"device": "cuda", "load_format": "dummy"},
+                                "deployment": {"engine_driver": "replica",
+                                               "ray_actor_options": {"num_cpus": 1},
+                                               "placement_group_bundles": [{"CPU": 1},
+                                                                           {"GPU": 1}]}})
+
+
+@pytest.mark.parametrize("bundles,placement", [
+    (None, {}),  # no group: beside the replica, nothing reserved
+    ([{"CPU": 1}], {"bundle": 0}),  # the replica's own bundle
+    ([{"CPU": 0.5}, {"CPU": 0.5}], {"bundle": 1, "num_cpus": 0.5, "num_gpus": 0}),
+], ids=["no-group", "one-bundle", "own-bundle"])
+def test_a_cpu_driver_takes_the_bundle_after_the_replicas(bundles, placement):
+    args = AppArgs.model_validate({"deployment": {"placement_group_bundles": bundles}})
+    assert args.deployment.driver_placement(args.engine) == placement
+
+
+def test_gpu_bundles_on_a_cpu_engine_fail_at_start():
+    # Ray never places such a group on CPU-only nodes: serve.run used to wait forever
+    with pytest.raises(ValueError, match=r"placement_group_bundles .* reserve a GPU .*'cpu'"):
+        AppArgs.model_validate({"engine": {"device": "cpu"}, "deployment": {
+            "placement_group_bundles": [{"CPU": 1}, {"GPU": 1}]}})
