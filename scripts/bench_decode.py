@@ -83,8 +83,9 @@ def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
     VARIANTS, gN (gamma = N), rN (N rounds per plan), aN (``ar``: N decode steps per plan),
     sN (``aspire``: N steps per asynchronous run), oN (``aspire``: N steps of the next run
-    started early, ``async_overlap_steps``) or dN (d_max = N), or several joined by
-    "+", e.g. "aspire_fixed/round+g8"."""
+    started early, ``async_overlap_steps``), dN (d_max = N), iN (``aspire``: gamma_init = N,
+    the drafts before a request's first verification) or several joined by "+", e.g.
+    "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
@@ -100,11 +101,13 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["async_overlap_steps"] = int(part[1:])
         elif re.fullmatch(r"d\d+", part):  # the most drafts a request may hold
             options["d_max"] = int(part[1:])
+        elif re.fullmatch(r"i\d+", part):  # aspire: drafts before the first verification
+            options["gamma_init"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
         else:
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"sN, dN, {', '.join(v for v in VARIANTS if v)})")
+                             f"sN, oN, dN, iN, {', '.join(v for v in VARIANTS if v)})")
     return spec_mode, options
 
 

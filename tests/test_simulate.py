@@ -174,6 +174,16 @@ def test_costs_from_measurements(mods, tmp_path):
         assert c.b_kv > 0 and c.chain_b_model is not None and c.chain_b_model < c.b_model
 
 
+def test_mode_variants(mods):
+    """bench_decode's MODE/VARIANT names (shared by the simulator): engine options, joined."""
+    opts = mods["bench_decode"].mode_options
+    assert opts("aspire/i5+s32") == ("aspire", {"gamma_init": 5, "async_steps": 32})
+    assert opts("aspire_fixed/g8+twolaunch") == (
+        "aspire_fixed", {"gamma": 8, "attention_options": {"mixed_one_launch": False}})
+    with pytest.raises(SystemExit, match="unknown mode variant 'x5'"):
+        opts("aspire/x5")
+
+
 def test_costs_from_measured_steps(mods):
     """Runs whose cost model kept its prior (`ar`; the round modes, whose plans mix a chain and
     its verification) are priced from their own measured steps: b_kv from `ar`'s steps past
