@@ -7,8 +7,11 @@ import os
 import pytest
 import torch
 
-# Keep CPU tests small and repeatable on 2 cores.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread: the tiny models' ops are too small to gain from a second one, and a
+# second OpenMP thread waits at every op's barrier while another process (a Ray actor, a
+# server subprocess, another job on a shared runner) holds the other core. Beside one busy
+# core, test_draft_chains.py and test_spec_exact.py took 3.4x as long on 2 threads, 1.2x on 1.
+torch.set_num_threads(1)
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The variable must be set before
 # any kernel module is imported (``triton.jit`` reads it when it decorates a function): this
@@ -37,10 +40,14 @@ TINY_CONFIGS = {
                                         "original_max_position_embeddings": 256},
                           tie_word_embeddings=True),
 }
-# Llama with 3 layers, for the tests that run the engine under Triton's interpreter (emulated
-# graphs): each layer's kernels are interpreted program by program, so a layer fewer is a
-# quarter off; 3 still puts layers before, at and after the refresh layer (num_layers - 2).
-TINY_CONFIGS["llama_3l"] = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
+# Smaller models for the tests that run the engine under Triton's interpreter (emulated
+# graphs), where each layer's kernels are interpreted program by program. 3 layers still put
+# layers before, at and after the refresh layer (num_layers - 2) of the page-scoring modes; 2
+# serve the modes that score no pages (ar, magicdec). One kv head (GQA group 4, as qwen3): the
+# attention, page-score and KV-store grids run a program per kv head, so a third off these
+# tests; grids over several kv heads are tested in tests/kernels.
+TINY_CONFIGS["llama_3l"] = dict(TINY_CONFIGS["llama"], num_hidden_layers=3, num_key_value_heads=1)
+TINY_CONFIGS["llama_2l"] = dict(TINY_CONFIGS["llama_3l"], num_hidden_layers=2)
 
 
 def make_tiny_model(path, family: str, seed: int = 0):

@@ -99,7 +99,7 @@ def test_rounds_started_early_give_the_tokens_of_ar(tiny_model_dir):
     # greedy rounds on the (emulated) graphs: the next plan's first round replays before this
     # plan's tokens reach the host, and the next plan continues it on the device (requests
     # that finished in between stop in their places) or drops it: `ar`'s tokens either way.
-    # Under the interpreter: 3 layers and short outputs (still 8 rounds started, 5 continued)
+    # Under the interpreter: 3 layers and short outputs (still 8 rounds started, 3 continued)
     model_dir = tiny_model_dir("llama_3l")
     cfg = build_engine_config(model_dir, spec_mode="magicdec", max_num_batched_tokens=64,
                               num_pages=120, max_num_seqs=4, attention_backend="triton",
@@ -122,9 +122,9 @@ def test_decode_chains_started_early_give_the_tokens_of_single_steps(tiny_model_
     # ar's greedy decode chains on the (emulated) graphs: the next chain replays before this
     # chain's tokens reach the host, and the next plan continues it on the device (requests
     # that finished in between stop in their places, new ones arriving drop it): the tokens
-    # of one plan per step either way. Under the interpreter: 3 layers and short outputs
-    # (still 7 chains started, 4 continued)
-    model_dir = tiny_model_dir("llama_3l")
+    # of one plan per step either way. Under the interpreter: 2 layers (ar scores no pages)
+    # and short outputs (still 7 chains started, 4 continued)
+    model_dir = tiny_model_dir("llama_2l")
     prompts = random_prompts(4, [30, 100, 150], vocab=256, seed=5)
     params = [SamplingParams(max_tokens=14 + 3 * i, temperature=0.0, ignore_eos=True)
               for i in range(4)]  # fmt: skip

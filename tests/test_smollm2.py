@@ -25,6 +25,15 @@ def _real_text_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
     return ids[offset : offset + n_tokens]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_torch_threads():
+    # a 135M model's matmuls do split over 2 cores (conftest keeps the tiny models' tests on 1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def ar_llm():
     llm = LLM(spec_mode="ar", num_pages=400, max_num_batched_tokens=512)
@@ -52,11 +61,12 @@ def test_greedy_matches_transformers_on_default_model(ar_llm):
 
 
 def test_every_mode_matches_ar_on_real_text(ar_llm):
-    """640-token prompts of real text (40 pages); k_min = 8 pages so drafting is sparse."""
+    """640-token prompts of real text (40 pages); k_min = 8 pages so drafting is sparse. 12
+    new tokens: still 3 to 5 verified rounds per request in every mode."""
     tok = ar_llm.tokenizer
     prompts = [_real_text_ids(tok, 640, offset=o) for o in (0, 5000)] + [
         _real_text_ids(tok, 200, offset=9000)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in ar_llm.generate(prompts, params)]
     for mode in SPEC_MODES[1:]:
         llm = LLM(spec_mode=mode, num_pages=400, max_num_batched_tokens=512, k_min=8,
