@@ -23,17 +23,6 @@ MAX_NEW = 20
 SCORED_MODES = ("specattn", "aspire_fixed", "aspire_fsm", "aspire")  # top-k from page scores
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # the driver shares 2 cores with two shard processes: a second OpenMP thread only spins
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     # 8 logical CPUs so that several 2-bundle placement groups fit on a 2-core machine
