@@ -140,6 +140,15 @@ class SpecConfig:
     # batch's own throughput (docs/speculation.md): the same choice for a homogeneous batch, a
     # better one for a mixed batch in the simulator.
     gamma_pricing: str = "marginal"
+    # Modes where each request verifies at its own pace: verifications fall on every
+    # verify_quantum-th decode step only (a "slot"): each request's draft length is moved to the
+    # nearest one whose next verification lands on a slot (``DraftPolicy.align``), so that
+    # requests in phase keep draft lengths of k * verify_quantum - 1 and the steps between the
+    # slots hold draft rows only. A step mixing verify rows (the whole KV, every query in the
+    # widest tile) with draft rows cost more than the two apart: on real Qwen2.5-Coder-0.5B at
+    # 32k, batch 64, every request at gamma 8 in phase ran 3.05 ms a step where `aspire`'s
+    # scattered verifications ran 3.60 (docs/benchmarks.md §8.28). 1: no slots.
+    verify_quantum: int = 1
     fsm_min: int = 1
     fsm_max: int = 16
     # aspire: a request whose target draft length stayed 0 for this many verifications drafts
@@ -226,6 +235,8 @@ class SpecConfig:
         _require(0.0 < self.alpha_init < 1.0,
                  f"alpha_init must be in (0, 1), got {self.alpha_init}")
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+        _require(1 <= self.verify_quantum <= 64,
+                 f"verify_quantum must be in [1, 64], got {self.verify_quantum}")
         _require(self.gamma_pricing in ("homogeneous", "marginal"),
                  f"gamma_pricing must be 'homogeneous' or 'marginal', got {self.gamma_pricing!r}")
         _require(self.alpha_estimator in ("pooled", "per_round"),
@@ -327,6 +338,12 @@ class EngineConfig:
     # launch each (kernels/row_plan.py); False: the tensor ops of its reference, ~60-90 small
     # kernels a step (kept to measure the difference in one run).
     fused_row_planning: bool = True
+    # Every row's logits bitwise independent of the batch, of the row's query count (decode,
+    # draft, verify, prefill chunk) and of its place in the batch (issue 18): linear layers of
+    # one tiling (tp/layers.invariant_linear), attention of one query tile and KV chunks of a
+    # fixed size for every row (kernels/attention_config.DETERMINISTIC; the torch backend: each
+    # query alone). Greedy output of every speculative mode then equals `ar`'s in bf16 too.
+    deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

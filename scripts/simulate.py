@@ -14,12 +14,13 @@ running the changed engine.
 Step costs (``StepCosts``): the worker's time of a step is the engine's three-term model
 b_model + b_tok * n_tokens + b_kv * kv_tokens over the engine's own features
 (``DraftPolicy.step_features``); a draft step inside a draft chain costs ``chain_b_model``
-instead of b_model (the host round trip a chain saves); the driver adds ``host_per_plan`` per
-plan (scheduling, commit, the benchmark loop). ``--costs`` takes the coefficients as JSON, an
-engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON (per mode: its
-``breakdown``'s fit, or, where it kept its prior, its measured steps: ``costs_from_steps``),
-a trace file (its recorded modes' measurements) or a bench_floor JSON (the
-three terms fitted to its steps by the engine's CostModel).
+instead of b_model (the host round trip a chain saves); a step of an asynchronous run that
+holds verify and draft rows adds ``b_mixed`` (``--mixed-step-ms``; 0 by default); the driver
+adds ``host_per_plan`` per plan (scheduling, commit, the benchmark loop). ``--costs`` takes
+the coefficients as JSON, an engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON
+(per mode: its ``breakdown``'s fit, or, where it kept its prior, its measured steps:
+``costs_from_steps``), a trace file (its recorded modes' measurements) or a bench_floor JSON
+(the three terms fitted to its steps by the engine's CostModel).
 
 Predicted tokens/s is committed tokens over simulated decode time, in bench_decode's window
 ("steady": until the first request finishes).
@@ -31,7 +32,7 @@ import argparse
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from bench_decode import DUMMY_SHAPES, _diff, mode_options, prefill_batch, summarize
 from traces import Traces, policy_of
@@ -67,10 +68,33 @@ class StepCosts:
     chain_b_model: float | None = None  # b_model of a draft step inside a chain (None: b_model)
     host_per_plan: float = 0.0  # s per plan outside the worker (driver, benchmark loop)
     source: str = ""
+    # s more for an asynchronous run's step that holds verify rows and draft rows than the
+    # linear terms say (docs/benchmarks.md §8.28); pure steps cost b_model - b_mixed where the
+    # terms were fitted to such mixed steps (``with_mixed_step``)
+    b_mixed: float = 0.0
 
     def worker_seconds(self, n_tokens: float, kv_tokens: float, chained: bool = False) -> float:
         b0 = self.chain_b_model if chained and self.chain_b_model is not None else self.b_model
         return b0 + self.b_tok * n_tokens + self.b_kv * kv_tokens
+
+
+def with_mixed_step(costs: StepCosts, seconds: float, fitted_on_mixed: bool) -> StepCosts:
+    """``costs`` with a mixed-step term of ``seconds``; where they were fitted to an
+    asynchronous run's steps (nearly all mixed), their per-step terms lose it (a pure step is
+    that much cheaper), so that a mixed step costs what it was measured to."""
+    if not seconds:
+        return costs
+    drop = seconds if fitted_on_mixed else 0.0
+    chain = None if costs.chain_b_model is None else costs.chain_b_model - drop
+    return replace(costs, b_model=costs.b_model - drop, chain_b_model=chain, b_mixed=seconds)
+
+
+def mixed_steps(rows: list[RowPlan]) -> int:
+    """Steps of an asynchronous run (``RowPlan.async_kinds``) where some rows verify and
+    others draft."""
+    kinds = [row.async_kinds() for row in rows]
+    return sum(any(k[s] >= 0 for k in kinds) and any(k[s] < 0 for k in kinds)
+               for s in range(rows[0].num_steps))  # fmt: skip
 
 
 class TraceExecutor(Executor):
@@ -159,9 +183,12 @@ class TraceExecutor(Executor):
                 rounds[0].rounds = rounds[1:]
                 results.append(rounds[0])
         if plan.rows and getattr(plan.rows[0], "async_gamma", None) is not None:
-            # an asynchronous run: its mean step (at the run's first context), steps times
+            # an asynchronous run: its mean step (at the run's first context), steps times,
+            # and the mixed-step term for each step that holds verify and draft rows
             seconds = plan.rows[0].num_steps * self.costs.worker_seconds(
                 *self.policy.run_features(plan.rows), chained=True)  # fmt: skip
+            if self.costs.b_mixed:
+                seconds += self.costs.b_mixed * mixed_steps(plan.rows)
             self.worker_s += seconds
             self.host_s += self.costs.host_per_plan
             return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
@@ -453,6 +480,10 @@ def main() -> None:
                    help="projection: every prompt this long (acceptance as recorded)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="projection: the cost source's model depth (default: the trace's)")
+    p.add_argument("--mixed-step-ms", type=float, default=0.0,
+                   help="an asynchronous step holding verify and draft rows costs this much "
+                        "more than the linear terms (docs/benchmarks.md §8.28: ~0.29 on the "
+                        "H200 at 32k); costs fitted to `aspire`'s steps lose it per step")
     p.add_argument("--measured", default=None,
                    help="a bench_decode JSON (or trace file) of the same requests: error %%")
     p.add_argument("--out", default=None)
@@ -467,13 +498,18 @@ def main() -> None:
     def costs_for(mode: str) -> StepCosts:
         key = mode if args.cost_mode == "own" else args.cost_mode
         if key not in cost_cache:
+            source = key
             try:
-                cost_cache[key] = load_costs(args.costs, key, meta)
+                costs = load_costs(args.costs, key, meta)
             except SystemExit as e:
                 if key == args.cost_fallback or args.cost_mode != "own":
                     raise
                 print(f"{mode}: priced by {args.cost_fallback}'s costs ({e})")
-                cost_cache[key] = load_costs(args.costs, args.cost_fallback, meta)
+                source = args.cost_fallback
+                costs = load_costs(args.costs, source, meta)
+            asynchronous = not SpecConfig(mode=source.partition("/")[0]).synchronized and \
+                SpecConfig(mode=source.partition("/")[0]).speculative  # fmt: skip
+            cost_cache[key] = with_mixed_step(costs, args.mixed_step_ms / 1e3, asynchronous)
         return cost_cache[key]
 
     measured = measured_runs(args.measured) if args.measured else {}

@@ -180,6 +180,8 @@ def test_mode_variants(mods):
     assert opts("aspire/i5+s32") == ("aspire", {"gamma_init": 5, "async_steps": 32})
     assert opts("aspire_fixed/g8+twolaunch") == (
         "aspire_fixed", {"gamma": 8, "attention_options": {"mixed_one_launch": False}})
+    assert opts("aspire/q4") == ("aspire", {"verify_quantum": 4})
+    assert opts("aspire_fsm/f8+g8") == ("aspire_fsm", {"fsm_min": 8, "fsm_max": 8, "gamma": 8})
     with pytest.raises(SystemExit, match="unknown mode variant 'x5'"):
         opts("aspire/x5")
 
@@ -267,3 +269,23 @@ def test_synthetic_traces_replay_their_acceptance(mods):
         sim.simulate(traces, "aspire", costs, window="drain")
     for i, alpha in enumerate(alphas):  # the mean estimate after the first ten verifications
         assert np.mean(seen[f"sim-{i}"][10:]) == pytest.approx(alpha, abs=0.06), i
+
+
+def test_mixed_steps_are_priced_apart(mods):
+    """An asynchronous step holding verify and draft rows costs ``b_mixed`` more (§8.28); costs
+    fitted to such steps lose it from their per-step term."""
+    sim = mods["simulate"]
+    from aspire_ray.plan import RowKind, RowPlan
+
+    def row(held, gamma, steps=6):
+        return RowPlan("r", RowKind.DRAFT, [1], 10, 0, [], num_steps=steps,
+                       verify_after=[0] + [1] * held, async_gamma=gamma)  # fmt: skip
+
+    # in phase (both verify at steps 2 and 5): no mixed step; out of phase: four
+    assert sim.mixed_steps([row(0, 2), row(0, 2)]) == 0
+    assert sim.mixed_steps([row(0, 2), row(1, 2)]) == 4
+    base = sim.StepCosts(1e-3, 1e-6, 1e-9, 8e-4)
+    fitted = sim.with_mixed_step(base, 3e-4, fitted_on_mixed=True)
+    assert (fitted.b_model, fitted.chain_b_model, fitted.b_mixed) == pytest.approx(
+        (7e-4, 5e-4, 3e-4))
+    assert sim.with_mixed_step(base, 3e-4, fitted_on_mixed=False).b_model == base.b_model

@@ -19,7 +19,16 @@ import time
 from collections import deque
 
 from aspire_ray.config import SchedulerConfig
-from aspire_ray.plan import RowKind, RowPlan, RowResult, StepOutput, StepPlan, rounds_of
+from aspire_ray.plan import (
+    RowKind,
+    RowPlan,
+    RowResult,
+    StepOutput,
+    StepPlan,
+    async_kinds,
+    held_after,
+    rounds_of,
+)
 from aspire_ray.spec.draft_policy import Action, DraftPolicy
 
 from .block_manager import BlockManager
@@ -48,6 +57,9 @@ class Scheduler:
         # draft lengths the last asynchronous run promised for the run after it (its rows'
         # next_async_gamma): the worker may have started that run with them
         self._promised: dict[str, int] = {}
+        # decode steps run so far (a plan's steps: a run's or chain's length, else 1): the
+        # verify slots' clock (SpecConfig.verify_quantum)
+        self.decode_steps = 0
         self.headroom_tokens = (cfg.admission_headroom_tokens
                                 if cfg.admission_headroom_tokens is not None
                                 else policy.cfg.plan_growth_tokens)  # fmt: skip
@@ -124,7 +136,7 @@ class Scheduler:
         promised, self._promised = self._promised, {}
         gammas = self._async_gammas(decoding, caps, budget, promised) if alone else None
         decided = [Action.DRAFT] * len(decoding) if gammas else \
-            self.policy.decide(decoding, caps)  # fmt: skip
+            self.policy.decide(decoding, caps, self.decode_steps)  # fmt: skip
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
         # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
         # must not delay admissions); the worker draws its drafts on the device. Its round's
@@ -142,6 +154,8 @@ class Scheduler:
                 sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
                     for r in decoding) <= budget  # fmt: skip
         rounds = self._rounds(decoding, chain) if verify_after else 1
+        if decoding:
+            self.decode_steps += chain
         # running requests with no row in this step yet, in order (the preemption victims)
         self._unscheduled = list(self.running)
         while self._unscheduled:
@@ -212,9 +226,16 @@ class Scheduler:
         if not spec.overlap_steps:  # nothing starts early: no promise to keep
             promised = {}
         # this run keeps the last run's promise (the worker may have started it with those);
-        # the fresh choice is this run's promise for the next
-        now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, gammas, caps,
+        # the fresh choice is this run's promise for the next, its verifications on the slots
+        # of that run (where each row's drafts held then follow from this run's schedule)
+        held = [len(r.drafts) for r in reqs]
+        now = self.policy.align(gammas, held, self.decode_steps, caps)
+        now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, now, caps,
                                                                           strict=True)]
+        steps = self._async_length(reqs)
+        held_next = [held_after(async_kinds(h, g, steps), h)
+                     for h, g in zip(held, now, strict=True)]  # fmt: skip
+        gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps)
         for draft_lengths in (now, gammas):
             if sum(max(len(r.drafts), g) + 1
                    for r, g in zip(reqs, draft_lengths, strict=True)) > budget:  # fmt: skip

@@ -28,6 +28,23 @@ if TYPE_CHECKING:  # spec never imports the engine at run time
     from aspire_ray.engine.request import Request
 
 
+def aligned_gamma(gamma: int, held: int, step: int, quantum: int, cap: int) -> int:
+    """The draft length nearest ``gamma`` (ties: the longer) that makes a row holding ``held``
+    drafts at decode step ``step`` verify on a slot (a step s with s % quantum == quantum - 1):
+    it verifies at step + g - held, so g = held + the steps to a slot + a multiple of quantum,
+    within [max(held, 1), cap]. A row that verified on a slot and drafts g = k * quantum - 1
+    stays on the slots. gamma 0 and rows with no slot within cap keep gamma (clamped to cap)."""
+    if gamma == 0:
+        return 0
+    first = held + (quantum - 1 - step) % quantum  # verifies on the first slot >= step
+    if first < 1:
+        first += quantum
+    reachable = range(first, cap + 1, quantum)
+    if not reachable:
+        return min(gamma, cap)
+    return min(reachable, key=lambda g: (abs(g - gamma), -g))
+
+
 class Action(enum.Enum):
     DRAFT = "draft"
     VERIFY = "verify"
@@ -176,12 +193,31 @@ class DraftPolicy:
         return [min(self.target(r, batch, o), self.cfg.max_drafts, cap)
                 for r, cap, o in zip(reqs, caps, optima, strict=True)]  # fmt: skip
 
-    def decide(self, reqs: list[Request], caps: list[int]) -> list[Action]:
-        """reqs: decoding requests; caps[i]: most drafts request i may still hold (stop limits)."""
+    def align(self, targets: list[int], held: list[int], step: int,
+              caps: list[int]) -> list[int]:  # fmt: skip
+        """Each draft length moved to the nearest one (ties: the longer) whose next
+        verification falls on a verify slot (``SpecConfig.verify_quantum``), for rows that
+        hold held[i] drafts at decode step ``step`` (a row verifies at the first step where it
+        holds its draft length). Unchanged: the synchronized modes, a target of 0 (a plain
+        step every step), a row whose cap leaves no slot within reach."""
+        q = self.cfg.verify_quantum
+        if q == 1 or self.cfg.synchronized:
+            return list(targets)
+        # never past the query tile the target fits in: one more query there reads the KV again
+        tile = self.kv_reads.query_tile
+        return [aligned_gamma(g, h, step, q, cap if tile is None else min(cap, max(g, tile - 1)))
+                for g, h, cap in zip(targets, held, caps, strict=True)]  # fmt: skip
+
+    def decide(self, reqs: list[Request], caps: list[int],
+               step: int | None = None) -> list[Action]:  # fmt: skip
+        """reqs: decoding requests; caps[i]: most drafts request i may still hold (stop limits);
+        step: the decode step's index (its verify slots, ``align``; None: no slots)."""
         if not self.cfg.speculative:
             return [Action.VERIFY] * len(reqs)
         batch = len(reqs)
         targets = self.targets(reqs, caps)
+        if step is not None:
+            targets = self.align(targets, [len(r.drafts) for r in reqs], step, caps)
         if self.cfg.synchronized:
             if all(len(r.drafts) >= t for r, t in zip(reqs, targets, strict=True)):
                 return [Action.VERIFY] * batch

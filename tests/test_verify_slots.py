@@ -1,0 +1,126 @@
+"""Verify slots (``SpecConfig.verify_quantum``): in the modes where each request verifies at its
+own pace, verifications land on every Q-th decode step only, so that the steps between hold
+draft rows alone (a step mixing verify and draft rows costs more than the two apart:
+docs/benchmarks.md §8.28). The draft lengths move to the nearest ones that land on a slot; the
+tokens do not change (greedy output equals `ar`'s)."""
+
+from __future__ import annotations
+
+import pytest
+from fake_executor import FakeExecutor
+from helpers import random_prompts, run_staggered
+
+from aspire_ray import SamplingParams
+from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.llm import build_engine_config
+from aspire_ray.plan import RowKind, async_kinds
+from aspire_ray.spec.draft_policy import DraftPolicy, aligned_gamma
+
+
+def test_aligned_gamma_lands_the_verification_on_a_slot():
+    # slots of quantum 3: steps 2, 5, 8, ...; a row verifies at step + gamma - held
+    for step in range(7):
+        for held in range(4):
+            for gamma in range(1, 9):
+                g = aligned_gamma(gamma, held, step, 3, cap=16)
+                # of the lengths whose verification lands on a slot, none below the drafts
+                # already held, the nearest (a tie: the longer)
+                landing = [c for c in range(max(held, 1), 17) if (step + c - held) % 3 == 2]
+                assert g == min(landing, key=lambda c: (abs(c - gamma), -c)), (step, held, g)
+                assert abs(g - gamma) <= 1 or gamma < held + 2
+    # in phase (drafting since the step after a slot): lengths k * 3 - 1, kept run after run
+    assert [aligned_gamma(g, 0, 3, 3, 16) for g in range(1, 9)] == [2, 2, 2, 5, 5, 5, 8, 8]
+    assert aligned_gamma(4, 0, 0, 3, 16) == 5  # a tie goes to the longer
+    assert aligned_gamma(0, 0, 1, 3, 16) == 0  # plain decoding stays plain
+    assert aligned_gamma(5, 0, 0, 3, cap=1) == 1  # no slot within the cap: the cap
+
+
+def test_align_stays_within_the_query_tile_and_off_for_rounds():
+    def policy(mode, tile):
+        cfg = build_engine_config("dummy", load_format="dummy", spec_mode=mode,
+                                  verify_quantum=4, calibrate="off").spec  # fmt: skip
+        return DraftPolicy(cfg, None, 16, 4, tile)
+
+    # quantum 4 in phase: 3, 7, 11, 15; a target of 8 moves to 7, of 9 to 11 (one tile of 16)
+    assert policy("aspire", 16).align([8, 9], [0, 0], 4, [16, 16]) == [7, 11]
+    # with a tile of 9 queries 11 would read the KV twice: 9 stays within its tile (7)
+    assert policy("aspire", 9).align([8, 9], [0, 0], 4, [16, 16]) == [7, 7]
+    assert policy("aspire_fixed", 9).align([8, 9], [0, 0], 4, [16, 16]) == [8, 9]
+
+
+def _verify_steps(quantum: int, async_steps: int) -> tuple[list[int], LLMEngine]:
+    """Decode-step indices of every verification of 4 requests (aspire_fsm: the fake executor
+    accepts every draft, so the draft lengths grow from 5)."""
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire_fsm",
+                              calibrate="off", fsm_max=10,
+                              async_steps=async_steps, verify_quantum=quantum, k_min=3,
+                              recent_pages=1, max_num_batched_tokens=64)  # fmt: skip
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+    sched, steps = engine.scheduler, []
+    execute = engine.executor.execute
+
+    def recording(plan):
+        start = sched.decode_steps - max((r.num_steps for r in plan.rows
+                                          if r.async_gamma is not None), default=1)  # fmt: skip
+        for row in plan.rows:
+            if row.async_gamma is not None:
+                kinds = row.async_kinds()
+            elif row.kind == RowKind.VERIFY:
+                kinds = [row.num_drafts]
+            else:
+                continue
+            steps.extend(start + i for i, k in enumerate(kinds) if k >= 0)
+        return execute(plan)
+
+    engine.executor.execute = recording
+    # requests that start decoding at different steps (prompts of different lengths, one
+    # prefill chunk a step): out of phase at first
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [(3 * i + j) % 256 for j in range(40 + 90 * i)], params)
+    while engine.has_unfinished():
+        engine.step()
+    return steps, engine
+
+
+@pytest.mark.parametrize("async_steps", [1, 6])
+def test_verifications_fall_on_the_slots(async_steps):
+    on, _ = _verify_steps(3, async_steps)
+    off, _ = _verify_steps(1, async_steps)
+    share = lambda steps: sum(s % 3 == 2 for s in steps) / len(steps)  # noqa: E731
+    # the last verifications may come early (a request's last tokens cap its drafts)
+    assert len(on) > 40 and share(on) >= 0.85, sorted(on)
+    assert share(off) < 0.5  # without slots: a third of them by chance
+
+
+def test_verify_slots_keep_the_tokens(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
+
+    def run(mode, **spec):
+        cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
+                                  num_pages=120, max_num_seqs=4, page_size=4, calibrate="off",
+                                  k_min=3, recent_pages=1, d_max=6, gamma_init=3,
+                                  **spec)  # fmt: skip
+        engine = LLMEngine(cfg)
+        drafted = []  # each verification's draft count
+        update = engine.scheduler.policy.on_verified
+        engine.scheduler.policy.on_verified = lambda req, d, a: (drafted.append(d),
+                                                                 update(req, d, a))
+        return run_staggered(engine, prompts, params, arrive_every=2), drafted
+
+    expected, _ = run("ar")
+    for mode, quantum in (("aspire", 3), ("aspire_fsm", 4)):
+        out, drafted = run(mode, verify_quantum=quantum, async_steps=6)
+        assert out == expected, mode
+        assert sum(d > 0 for d in drafted) >= 8, drafted  # it drafted and verified
+
+
+def test_async_kinds_of_an_aligned_row_verify_on_slots():
+    # a row in phase at step 9 (slots 11, 14, 17, ...) with length 2: verifies every third step
+    g = aligned_gamma(3, 0, 9, 3, 16)
+    assert g == 2
+    kinds = async_kinds(0, g, 9)
+    assert [9 + i for i, k in enumerate(kinds) if k >= 0] == [11, 14, 17]
