@@ -84,6 +84,14 @@ class AttentionConfig:
 
 DEFAULT_CONFIG = AttentionConfig()
 
+# The deterministic mode's attention (EngineConfig.deterministic, issue 18): every row in the
+# widest query tile (a query's products then do not depend on the tile it shares or its place
+# there) and every row's KV cut into chunks of one page count, whatever its query count (so a
+# query's chunks, each one online-softmax pass and then the merge in chunk order, depend on
+# its position only; chunks past a query's causal limit add exact zeros).
+DETERMINISTIC = dict(block_m_min=64, block_m_max=64, kv_chunk_pages=64, split_max_q=1 << 30,
+                     mixed_one_launch=True)  # fmt: skip
+
 # splits of a step's longest row tried by the wave-fitted chunk rule (1..FIT_SPLITS)
 FIT_SPLITS = 64
 

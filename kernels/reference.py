@@ -61,17 +61,30 @@ def paged_attention_ref(
     meta: PagedKVMeta,
     scale: float,
     return_lse: bool = False,
+    per_query: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ragged paged attention, row by row. Returns out [T, Hq, D] (and lse [T, Hq] float32)."""
+    """Ragged paged attention, row by row. Returns out [T, Hq, D] (and lse [T, Hq] float32).
+
+    per_query: each query over exactly the keys it sees, one at a time (the deterministic mode:
+    a query's output is then the same bits whatever its row's query count and the other rows;
+    a block of queries under a causal mask rounds otherwise than one query)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     qo, kvp = meta.qo_indptr_host, meta.kv_indptr_host
     for r in range(meta.num_rows):
         pages = meta.kv_indices[kvp[r] : kvp[r + 1]]
-        k, v = gather_row_kv(kv_cache, pages, meta.kv_len_host(r))
-        o, s = attention_ref(q[qo[r] : qo[r + 1]], k, v, scale)
-        out[qo[r] : qo[r + 1]] = o
-        lse[qo[r] : qo[r + 1]] = s
+        kv_len = meta.kv_len_host(r)
+        k, v = gather_row_kv(kv_cache, pages, kv_len)
+        if not per_query:
+            o, s = attention_ref(q[qo[r] : qo[r + 1]], k, v, scale)
+            out[qo[r] : qo[r + 1]] = o
+            lse[qo[r] : qo[r + 1]] = s
+            continue
+        n = qo[r + 1] - qo[r]
+        for i in range(n):  # query i sees keys [0, kv_len - n + i]
+            seen = kv_len - n + i + 1
+            t = qo[r] + i
+            out[t : t + 1], lse[t : t + 1] = attention_ref(q[t : t + 1], k[:seen], v[:seen], scale)
     return (out, lse) if return_lse else out
 
 

@@ -19,6 +19,36 @@ def _narrow(w: torch.Tensor, dim: int, index: int, size: int) -> torch.Tensor:
     return w.narrow(dim, index * size, size)
 
 
+def invariant_linear(x: torch.Tensor, w: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``F.linear`` whose each row is computed the same way, bit for bit, whatever the other
+    rows and their number (the deterministic mode, issue 18): x [..., K], w [N, K] -> [..., N].
+
+    cuBLAS and the CPU's BLAS pick kernels by the row count (on the CPU a 1-3 row GEMM rounds
+    otherwise than a 4-row one). On a GPU: ``kernels.linear`` with one tiling for every row
+    count; elsewhere a batched product of one-row GEMMs ([T, 1, K] @ [K, N] each), whose
+    per-row kernel does not change with T."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if x.is_cuda:
+        from aspire_ray.kernels.linear import INVARIANT_CONFIG, triton_linear
+
+        y = triton_linear(rows.contiguous(), w, bias, INVARIANT_CONFIG)
+    else:
+        y = torch.bmm(rows.unsqueeze(1), w.t().expand(rows.shape[0], k, w.shape[0])).squeeze(1)
+        if bias is not None:
+            y = y + bias
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def set_batch_invariant(model: nn.Module, on: bool = True) -> None:
+    """Every linear layer and the LM head of ``model`` through ``invariant_linear`` (on) or
+    ``F.linear`` (off)."""
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            m.invariant = on
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: [out/tp, in] on each rank."""
 
@@ -38,8 +68,10 @@ class ColumnParallelLinear(nn.Module):
     def load_shard(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(_narrow(full, 0, self.tp.rank, self.out_local))
 
+    invariant = False  # set_batch_invariant
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return (invariant_linear if self.invariant else F.linear)(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -104,8 +136,10 @@ class RowParallelLinear(nn.Module):
     def load_shard(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(_narrow(full, 1, self.tp.rank, self.in_local))
 
+    invariant = False  # set_batch_invariant
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce((invariant_linear if self.invariant else F.linear)(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -139,7 +173,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over this rank's vocab slice, gathered to the full vocab on every rank."""
 
+    invariant = False  # set_batch_invariant
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight)  # [T, vocab_local]
+        local = (invariant_linear if self.invariant else F.linear)(h, self.weight)  # [T, V/tp]
         full = self.tp.all_gather(local, dim=-1)
         return full[:, : self.vocab_size]

@@ -24,6 +24,10 @@ class AttentionBackend:
 
     name = "torch"
 
+    def __init__(self, deterministic: bool = False) -> None:
+        """deterministic: every query attended alone (``paged_attention_ref``'s per_query)."""
+        self.deterministic = deterministic
+
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -39,7 +43,7 @@ class AttentionBackend:
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] float32 when return_lse)."""
-        return ref.paged_attention_ref(q, kv_cache, meta, scale, return_lse)
+        return ref.paged_attention_ref(q, kv_cache, meta, scale, return_lse, self.deterministic)
 
     def token_max_probs(
         self,
@@ -107,10 +111,12 @@ def _load_optional_backend(name: str) -> None:
         _missing[name] = (_PACKAGES[root], e)
 
 
-def get_backend(name: str, device: torch.device | str,
-                options: dict | None = None) -> AttentionBackend:  # fmt: skip
+def get_backend(name: str, device: torch.device | str, options: dict | None = None,
+                deterministic: bool = False) -> AttentionBackend:  # fmt: skip
     """Resolve a backend by name; "auto" is "torch" off CUDA and "triton" on CUDA. options:
     the triton backend's kernel settings (``AttentionConfig`` fields); other backends take none.
+    deterministic: a query's output does not depend on its row's query count or on the other
+    rows (``EngineConfig.deterministic``; the torch and triton backends).
 
     On CUDA "auto" never falls back to the torch reference: without triton (which CUDA torch
     wheels bring) it raises ``BackendUnavailableError`` naming the package, rather than serve
@@ -119,6 +125,9 @@ def get_backend(name: str, device: torch.device | str,
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    if deterministic and name not in ("torch", "triton"):
+        raise ValueError(f"deterministic needs the 'triton' or 'torch' attention backend, "
+                         f"got {name!r}")
     if name in _CUDA_ONLY and device.type != "cuda":
         raise BackendUnavailableError(
             f"attention backend {name!r} is not available on {device.type}: "
@@ -139,9 +148,10 @@ def get_backend(name: str, device: torch.device | str,
         raise BackendUnavailableError(
             f"attention backend {name!r} is not available (available: {sorted(_REGISTRY)})"
         )
-    if not options:
-        return _REGISTRY[name]()
-    if name != "triton":
+    if options and name != "triton":
         raise ValueError(f"attention_options {sorted(options)} are settings of the 'triton' "
                          f"backend, not of {name!r}")
-    return _REGISTRY[name](**options)
+    kwargs = dict(options or {})
+    if deterministic:
+        kwargs["deterministic"] = True
+    return _REGISTRY[name](**kwargs)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from aspire_ray.kernels.attention_config import query_tile_tokens
+from aspire_ray.kernels.attention_config import DETERMINISTIC, query_tile_tokens
 from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.page_scores import page_scores, token_max_probs
@@ -24,12 +24,21 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, config: AttentionConfig = DEFAULT_CONFIG, **options) -> None:
-        """options: AttentionConfig fields to change from ``config``."""
+    def __init__(self, config: AttentionConfig = DEFAULT_CONFIG, deterministic: bool = False,
+                 **options) -> None:  # fmt: skip
+        """options: AttentionConfig fields to change from ``config``; deterministic: with
+        ``attention_config.DETERMINISTIC``'s, which options may not contradict."""
         known = set(AttentionConfig.__dataclass_fields__)
         if set(options) - known:
             raise ValueError(f"unknown attention_options {sorted(set(options) - known)} "
                              f"(known: {sorted(known)})")
+        if deterministic:
+            clash = {k for k, v in options.items() if k in DETERMINISTIC and DETERMINISTIC[k] != v}
+            if clash:
+                raise ValueError(f"attention_options {sorted(clash)} contradict deterministic "
+                                 f"attention ({ {k: DETERMINISTIC[k] for k in sorted(clash)} })")
+            options = {**options, **DETERMINISTIC}
+        self.deterministic = deterministic
         self.config = replace(config, **options) if options else config
 
     def store_kv(

@@ -35,6 +35,7 @@ from aspire_ray.plan import (
     Stream,
 )
 from aspire_ray.tp import TPGroup, single_rank
+from aspire_ray.tp.layers import set_batch_invariant
 
 from . import rejection_sampler, sampler
 from .async_graphs import AsyncStepGraphs
@@ -78,9 +79,12 @@ class Worker:
         self.tp = tp or single_rank()
         self.device = torch.device(device or cfg.device)
         self.model = build_model(cfg, self.tp, self.device)
+        if cfg.deterministic:
+            set_batch_invariant(self.model)
         self.arch = self.model.arch
         self.page_size = cfg.cache.page_size
-        self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options)
+        self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options,
+                                   cfg.deterministic)  # fmt: skip
         self.selector = make_selector(cfg.spec)
         self.refresh_layer = self._refresh_layer()
         # measured once, before the KV pool takes the device's memory (describe() reports it)

@@ -282,3 +282,35 @@ def test_register_caps_keep_every_bit(dtype):
     capped = AttentionConfig(max_registers=96, wide_max_registers=168)
     out, lse = paged_attention(q, kv, meta, 0.125, return_lse=True, config=capped)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_deterministic_config_gives_a_query_the_same_bits_in_any_row():
+    # attention_config.DETERMINISTIC: one 64-row tile for every row, KV chunks of a fixed page
+    # count: a query at position p gets the same output as a decode row alone as the j-th
+    # query of a verify row (its later keys masked) beside another long row (issue 18). The
+    # default config splits each row by what the whole step fills, and rounds otherwise.
+    from dataclasses import replace
+
+    from aspire_ray.kernels.attention_config import DETERMINISTIC
+
+    det = replace(DEFAULT_CONFIG, **{**DETERMINISTIC, "kv_chunk_pages": 8})
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, ps = 4, 2, 32, 16
+    kv = torch.randn(200, 2, ps, hkv, d, generator=gen).to(DEVICE)
+    q = torch.randn(6, hq, d, generator=gen).to(DEVICE)  # the verify row's queries
+    pages, other = list(range(3, 83)), list(range(100, 180))
+    step = PagedKVMeta.build([6, 1], [pages[: -(-1205 // ps)], other], [1205, 1280], ps,
+                             device=DEVICE)  # fmt: skip
+    q_step = torch.cat([q, torch.randn(1, hq, d, generator=gen).to(DEVICE)])
+    same = {}
+    for name, cfg in (("deterministic", det), ("default", DEFAULT_CONFIG)):
+        out_v = paged_attention(q_step, kv, step, 0.3, config=cfg)
+        # Triton's interpreter multiplies a tile with numpy, whose BLAS rounds a row by its
+        # place in the block; a GPU's MMA does not: on the CPU the first query only
+        for j in range(6) if DEVICE == "cuda" else [0]:  # query j sees 1200 + j keys
+            n = 1200 + j
+            alone = PagedKVMeta.build([1], [pages[: -(-n // ps)]], [n], ps, device=DEVICE)
+            out_1 = paged_attention(q[j : j + 1], kv, alone, 0.3, config=cfg)
+            same[name, j] = torch.equal(out_1[0], out_v[j])
+    assert all(v for (name, _), v in same.items() if name == "deterministic"), same
+    assert not same["default", 0], "the default split should round otherwise (test is blind)"
