@@ -82,11 +82,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
             for q in PERCENTILES}
 
 
-def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict]:
-    """(the text prompts, offline results); the LLM is released before Serve starts."""
+def offline_kwargs(engine: dict) -> dict:
+    """``LLM(...)`` keywords of the engine settings: the EngineConfig a replica builds from the
+    same settings (``EngineArgs.to_engine_config``), as tests/serving/test_bench_serve.py checks."""
     flat = {k: v for k, v in EngineArgs.model_validate(engine).model_dump().items()
             if v is not None and k != "spec_options"}
-    with LLM(**flat, **engine.get("spec_options", {})) as llm:
+    return {**flat, **engine.get("spec_options", {})}
+
+
+def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict]:
+    """(the text prompts, offline results); the LLM is released before Serve starts."""
+    with LLM(**offline_kwargs(engine)) as llm:
         prompts = text_prompts(llm, args.num_prompts, args.prompt_tokens)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()

@@ -3,9 +3,11 @@ asyncio outside.
 
 Threads and ownership:
 - The engine thread owns the engine core (``engine_core.py``: in-process, or a driver actor):
-  it alone calls its ``step``, one call per engine step carrying every add and abort queued
-  since the last one. It steps while there is work and sleeps on a condition variable
-  otherwise.
+  it alone calls its ``submit``/``collect``, one call per engine step carrying every add and
+  abort queued since the last one, up to the core's ``pipeline_depth`` calls in flight (a
+  driver actor: two, so that the driver starts its next step without waiting for this thread
+  to deliver the last one's outputs; an add or abort then reaches the engine a step later). It
+  steps while there is work and sleeps on a condition variable otherwise.
 - The HTTP side tokenizes (prompts, chat templates) in asyncio's thread pool on copies of the
   engine's tokenizer (``tokenizer_pool.py``), never on the engine thread's own.
 - The event loop talks to it only through ``_commands`` (add/abort, applied between steps)
@@ -24,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -56,6 +59,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput items, or one exception that ends the stream
     num_tokens: int = 0  # tokens already counted for metrics
+    # the prompt's token ids: the core sends them with a request's first output only
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class AsyncLLMEngine:
@@ -192,17 +197,30 @@ class AsyncLLMEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        inflight: deque[tuple[object, list[_Add], list]] = deque()  # (handle, adds, commands)
+        depth = getattr(self.core, "pipeline_depth", 1)
         while True:
             with self._cv:
-                while not (self._commands or self._busy or self._closed):
+                while not (self._commands or self._busy or inflight or self._closed):
                     self._cv.wait()
-                if self._closed:
+                if self._closed:  # steps in flight are not waited for: shutdown fails their adds
+                    self._commands[:0] = [c for _, _, cmds in inflight for c in cmds]
                     return
-                commands, self._commands = self._commands, []
+                submit = len(inflight) < depth and bool(self._commands or self._busy)
+                commands: list = []
+                if submit:
+                    commands, self._commands = self._commands, []
             try:
-                adds, aborts = self._batch(commands)
-                result = self.core.step([NewRequest(a.request_id, a.prompt, a.params)
-                                         for a in adds], aborts)  # fmt: skip
+                if submit:
+                    adds, aborts = self._batch(commands)
+                    handle = self.core.submit([NewRequest(a.request_id, a.prompt, a.params)
+                                               for a in adds], aborts)  # fmt: skip
+                    inflight.append((handle, adds, commands))
+                    self._busy = True  # until a result says otherwise: keep the pipeline full
+                    if len(inflight) < depth:
+                        continue  # queue the next step before waiting for this one
+                handle, adds, commands = inflight.popleft()
+                result = self.core.collect(handle)
                 for add in adds:
                     exc = result.rejected.get(add.request_id)
                     if exc is None:
@@ -217,13 +235,15 @@ class AsyncLLMEngine:
                 self._deliver(result.outputs)
             except Exception as exc:  # noqa: BLE001 - any step failure ends the engine
                 logger.exception("engine step failed; failing all in-flight requests")
+                unapplied = commands + [c for _, _, cmds in inflight for c in cmds]
                 self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"),
-                               unapplied=commands)
+                               unapplied=unapplied)
                 return
             if result.error is not None:  # a worker died; the engine said so
                 logger.error("engine unhealthy: %s", result.error)
                 self._core_error = result.error
-                self._fail_all(EngineDeadError(f"engine unhealthy: {result.error}"))
+                self._fail_all(EngineDeadError(f"engine unhealthy: {result.error}"),
+                               unapplied=[c for _, _, cmds in inflight for c in cmds])
                 return
 
     def _batch(self, commands: list[_Add | _Abort]) -> tuple[list[_Add], list[str]]:
@@ -252,6 +272,10 @@ class AsyncLLMEngine:
                           else self._streams.get(out.request_id))
             if stream is None:
                 continue  # aborted meanwhile
+            if out.prompt_token_ids:
+                stream.prompt_token_ids = out.prompt_token_ids
+            else:
+                out.prompt_token_ids = stream.prompt_token_ids
             step_tokens += len(out.token_ids) - stream.num_tokens
             stream.num_tokens = len(out.token_ids)
             if out.finished and self.metrics is not None:

@@ -2,11 +2,17 @@
 stepped in batches, in the replica's own thread or in a driver actor of its own.
 
 ``AsyncLLMEngine`` (the replica's side: HTTP, tokenizing, detokenized streams) talks to a core
-only through ``step``: one call carries every request admitted and aborted since the last
-step, and returns every output of one engine step (never a call per request or per token).
+only through ``step`` (or ``submit`` then ``collect``): one call carries every request admitted
+and aborted since the last step, and returns every output of one engine step (never a call per
+request or per token). An output carries its request's prompt token ids the first time only
+(later ones an empty list: the replica keeps them), so that a step of 64 requests of 16k-token
+prompts returns kilobytes, not megabytes, to pickle and unpickle.
 ``EngineCore`` runs it in-process; ``ActorCore`` runs the same class as a Ray actor (the
 driver), so that the engine's Python work and, at tp = 1, the GPU forward leave the replica's
-GIL to HTTP and streaming (issue 16; vLLM v1's EngineCore / AsyncLLM split is the model).
+GIL to HTTP and streaming (issue 16; vLLM v1's EngineCore / AsyncLLM split is the model). The
+replica keeps ``pipeline_depth`` step calls in flight: with a driver actor, two, so that the
+next step is already queued in the driver when a step ends (it never waits for the replica to
+unpickle and deliver the last one's outputs and to call again).
 
 The driver actor is created by the replica and owned by it: when the replica dies, Ray ends
 the driver (and the driver's shard workers) with it. When the driver dies, the next ``step``
@@ -56,6 +62,10 @@ class CoreStep:
 class EngineCore:
     """An ``LLMEngine`` stepped in batches (not thread-safe: one caller at a time)."""
 
+    # step calls the replica keeps in flight (``AsyncLLMEngine``); in-process a step runs at
+    # submit, so one
+    pipeline_depth = 1
+
     def __init__(self, engine_or_cfg: Any, cpu_threads: int | None = None) -> None:
         from aspire_ray.engine.engine import LLMEngine
 
@@ -66,6 +76,7 @@ class EngineCore:
         if isinstance(engine_or_cfg, EngineConfig):
             engine_or_cfg = LLMEngine(engine_or_cfg)
         self.engine = engine_or_cfg
+        self._reported: set[str] = set()  # unfinished requests whose prompt ids were sent
 
     def facts(self) -> CoreFacts:
         engine = self.engine
@@ -79,10 +90,12 @@ class EngineCore:
     def step(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
         """Apply the aborts, then the adds, then run one engine step (a step right after an
         abort also tells the workers to drop the request). An add the engine refuses (bad
-        prompt or params) is returned in ``rejected``, not raised; a failing step raises."""
+        prompt or params) is returned in ``rejected``, not raised; a failing step raises.
+        A request's first output carries its prompt token ids, later ones none (``[]``)."""
         engine = self.engine
         for request_id in aborts:
             engine.abort_request(request_id)
+            self._reported.discard(request_id)
         rejected: dict[str, BaseException] = {}
         for new in adds:
             try:
@@ -90,9 +103,24 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - a refused request is its caller's error
                 rejected[new.request_id] = exc
         outputs = engine.step()
+        for out in outputs:
+            if out.request_id in self._reported:
+                out.prompt_token_ids = []  # sent with its first output
+            elif not out.finished:
+                self._reported.add(out.request_id)
+            if out.finished:
+                self._reported.discard(out.request_id)
         healthy = getattr(engine, "healthy", True)
         return CoreStep(outputs, rejected, engine.has_unfinished(), engine.stats(),
                         None if healthy else str(engine.error))  # fmt: skip
+
+    def submit(self, adds: list[NewRequest], aborts: list[str]) -> Any:
+        """Start a step -> a handle for ``collect`` (in-process the step runs now)."""
+        return self.step(adds, aborts)
+
+    def collect(self, handle: Any) -> CoreStep:
+        """The result of a submitted step (steps complete in the order submitted)."""
+        return handle
 
     def dead(self, timeout_s: float = 1.0) -> str | None:
         """Why the engine cannot serve (a dead shard worker), or None: an idle health check."""
@@ -135,6 +163,9 @@ class ActorCore:
     GPU). A driver Ray has not started within ``placement_timeout_s`` (its bundle lacks the
     resources it asks for, no node has them) fails the constructor with
     ``DriverPlacementError`` instead of waiting forever."""
+
+    # the next step waits in the driver's queue while the replica delivers the last one
+    pipeline_depth = 2
 
     def __init__(self, cfg: EngineConfig, num_cpus: float = 0, num_gpus: float = 0,
                  bundle: int | None = None, cpu_threads: int | None = None,
@@ -186,7 +217,15 @@ class ActorCore:
         return self._ray.get(self.actor.stats.remote())
 
     def step(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
-        return self._ray.get(self.actor.step.remote(adds, aborts))
+        return self.collect(self.submit(adds, aborts))
+
+    def submit(self, adds: list[NewRequest], aborts: list[str]) -> Any:
+        """Queue a step in the driver -> its ObjectRef (the driver runs one call at a time,
+        in the order a caller submitted them)."""
+        return self.actor.step.remote(adds, aborts)
+
+    def collect(self, handle: Any) -> CoreStep:
+        return self._ray.get(handle)
 
     def dead(self, timeout_s: float = 1.0) -> str | None:
         try:

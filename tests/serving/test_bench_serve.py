@@ -36,3 +36,23 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
     for req in served["requests"]:
         assert req["completion_tokens"] == 8 and req["finish_reason"] == "length"
     assert "served / offline" in proc.stdout
+
+
+def test_offline_and_served_engines_get_one_config(monkeypatch):
+    """bench_serve's offline LLM and a replica build the same EngineConfig from one engine
+    section (no model is loaded: LLM's engine is replaced by a recorder)."""
+    import aspire_ray.llm as llm_module
+    from aspire_ray.serving.settings import EngineArgs
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_serve
+
+    built = []
+    monkeypatch.setattr(llm_module, "LLMEngine", built.append)
+    for engine in ({"model": "smollm2-135m-instruct", "spec_mode": "aspire", "dtype": "bfloat16",
+                    "device": "cpu", "tp_size": 1},
+                   {"model": "smollm2-135m-instruct", "spec_mode": "ar", "calibrate": "off",
+                    "max_num_batched_tokens": 512, "num_pages": 64, "page_size": 32,
+                    "spec_options": {"d_max": 4}}):
+        llm_module.LLM(**bench_serve.offline_kwargs(engine))
+        assert built.pop() == EngineArgs.model_validate(engine).to_engine_config()
