@@ -72,6 +72,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "oldsplit": {"attention_options": {"resident_programs": None}},
     # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
+    # every row's logits independent of its step (EngineConfig.deterministic, issue 18)
+    "det": {"deterministic": True},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)
@@ -360,14 +362,20 @@ def main() -> None:
         ar_runs = per_mode.get("ar")
         ar_tps = statistics.median(r["tokens"] / r["seconds"] for r in ar_runs) if ar_runs \
             else None
-        ar_ids = None
+        summaries = {}
         for mode in modes:
             runs = sorted(per_mode[mode], key=lambda r: r["tokens"] / r["seconds"])
-            s = summarize(mode, runs[len(runs) // 2], ar_tps)
-            if mode == "ar":
-                ar_ids = s["token_ids"]
-            if ar_ids is not None and args.temperature == 0:
-                s["greedy_token_match_vs_ar"] = _match_rate(s["token_ids"], ar_ids)
+            summaries[mode] = summarize(mode, runs[len(runs) // 2], ar_tps)
+        for mode in modes:
+            # greedy match against `ar` of the same variant where the run has it ("ar/det" for
+            # "aspire/det"), else against plain `ar`
+            variant = mode.partition("/")[2]
+            ref = summaries.get(f"ar/{variant}" if variant else "ar", summaries.get("ar"))
+            if ref is not None and args.temperature == 0:
+                summaries[mode]["greedy_token_match_vs_ar"] = _match_rate(
+                    summaries[mode]["token_ids"], ref["token_ids"])  # fmt: skip
+        for mode in modes:
+            s = summaries[mode]
             s.update(context=ctx, batch=len(s["token_ids"]), device=info.device_name)
             del s["token_ids"]
             report["results"].append(s)
