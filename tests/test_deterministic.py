@@ -128,3 +128,10 @@ def test_deterministic_attention_options_are_checked():
         TritonBackend(deterministic=True, kv_chunk_pages=8)
     with pytest.raises(ValueError, match="deterministic needs"):
         get_backend("flashinfer", "cuda", deterministic=True)
+
+
+def test_serve_settings_carry_deterministic():
+    from aspire_ray.serving.settings import EngineArgs
+
+    assert EngineArgs(deterministic=True).to_engine_config().deterministic is True
+    assert EngineArgs().to_engine_config().deterministic is False

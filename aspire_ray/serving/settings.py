@@ -48,6 +48,9 @@ class EngineArgs(BaseModel):
     # pages kept free at admission for the running requests' next plan, in tokens (None: one
     # plan's worth, 0: none; SchedulerConfig.admission_headroom_tokens)
     admission_headroom_tokens: int | None = Field(None, ge=0)
+    # Every row's logits independent of its step, so that bf16 greedy output of every mode is
+    # `ar`'s (EngineConfig.deterministic, issue 18). None: the engine's default (off).
+    deterministic: bool | None = None
     # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
     spec_options: dict[str, Any] = Field(default_factory=dict)
 
