@@ -55,8 +55,16 @@ class _TextStream:
         return piece
 
 
+# Characters that JSON leaves raw (ensure_ascii=False) but that lenient line splitters (Python's
+# str.splitlines, as httpx's aiter_lines) take for line breaks, cutting an SSE data line in two:
+# escaped, as JSON allows. Control characters below 0x20 json.dumps escapes itself.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    if isinstance(obj, str):
+        return f"data: {obj}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 class OpenAIServing:

@@ -254,3 +254,17 @@ def test_engine_failure_mid_stream_is_reported(tiny_chat_model):
                     pass
         health = httpx.get(f"{live.url}/health")
         assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
+
+
+def test_an_sse_line_survives_lenient_line_splitters():
+    # generated text may hold U+0085, U+2028, U+2029: raw in JSON (ensure_ascii=False), but
+    # str.splitlines (httpx's aiter_lines) breaks lines there; the server escapes them
+    import json
+
+    from aspire_ray.serving.openai_serving import _sse
+
+    text = "a\u2028b\x85c\u2029d\x1ce\u00e9"
+    line = _sse({"choices": [{"text": text}]})
+    body = line.removeprefix("data: ").removesuffix("\n\n")
+    assert body.splitlines() == [body] and "\u00e9" in body  # other non-ASCII stays raw
+    assert json.loads(body)["choices"][0]["text"] == text
