@@ -32,9 +32,15 @@ class LinearConfig:
     num_stages: int = 4
 
 
-# The deterministic mode's one tiling (issue 18): every row count runs these tiles, so a row's
-# float32 accumulation over K is one fixed sequence of BLOCK_K chunks (tests/kernels/test_linear.py)
-INVARIANT_CONFIG = LinearConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+def invariant_config(n: int, k: int) -> LinearConfig:
+    """The deterministic mode's tiling of a [n, k] weight (issue 18): chosen by the weight's
+    shape only, never by the row count, so every row of any batch accumulates over K in one
+    fixed sequence of BLOCK_K chunks (tests/kernels/test_linear.py). Narrow weights take narrow
+    column tiles so that a 64-row step still spreads over the SMs (qkv and o of Qwen2.5-0.5B:
+    28-36 programs; scripts/bench_linear.py's best at 64 rows, docs/benchmarks.md §8.28)."""
+    if n <= 2048:
+        return LinearConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    return LinearConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
 
 
 @triton.jit

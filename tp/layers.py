@@ -26,14 +26,14 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor,
 
     cuBLAS and the CPU's BLAS pick kernels by the row count (on the CPU a 1-3 row GEMM rounds
     otherwise than a 4-row one). On a GPU: ``kernels.linear`` with one tiling for every row
-    count; elsewhere a batched product of one-row GEMMs ([T, 1, K] @ [K, N] each), whose
-    per-row kernel does not change with T."""
+    count (``invariant_config``, chosen by the weight's shape); elsewhere a batched product of
+    one-row GEMMs ([T, 1, K] @ [K, N] each), whose per-row kernel does not change with T."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if x.is_cuda:
-        from aspire_ray.kernels.linear import INVARIANT_CONFIG, triton_linear
+        from aspire_ray.kernels.linear import invariant_config, triton_linear
 
-        y = triton_linear(rows.contiguous(), w, bias, INVARIANT_CONFIG)
+        y = triton_linear(rows.contiguous(), w, bias, invariant_config(*w.shape))
     else:
         y = torch.bmm(rows.unsqueeze(1), w.t().expand(rows.shape[0], k, w.shape[0])).squeeze(1)
         if bias is not None:

@@ -42,3 +42,18 @@ def test_bad_shapes_are_refused():
         triton_linear(x, w)
     with pytest.raises(ValueError, match="bias"):
         triton_linear(x, torch.randn(6, 8), torch.randn(5))
+
+
+@pytest.mark.parametrize("n", [40, 2100], ids=["narrow", "wide"])
+def test_the_deterministic_tiling_depends_on_the_weight_only(n):
+    from aspire_ray.kernels.linear import invariant_config
+
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 48, generator=gen).to(DEVICE)
+    rows = torch.randn(70, 48, generator=gen).to(DEVICE)
+    cfg = invariant_config(*w.shape)
+    full = triton_linear(rows, w, cfg=cfg)
+    # rows 0 and 64 keep their place in a 64-row tile in a batch of 1 (and of 6)
+    assert torch.equal(triton_linear(rows[:1], w, cfg=cfg)[0], full[0])
+    assert torch.equal(triton_linear(rows[64:], w, cfg=cfg)[0], full[64])
+    torch.testing.assert_close(full, F.linear(rows, w), atol=1e-4, rtol=1e-4)
