@@ -97,21 +97,23 @@ def paged_case(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int, int
 
 
 def use_eager_graphs(engine: LLMEngine, draft_graphs: bool = True, graph_tokens: int = 32,
-                     chunk_pages: int = 8):
+                     chunk_pages: int = 8, deterministic: bool = False):
     """Put the engine's (CPU) worker on the Triton backend and the GPU's graphs, emulated by
     re-running each captured step (EagerGraph): the device planning, the fixed buffers and
     the bucket padding run under Triton's interpreter. chunk_pages: rows over this many
     pages split, so merges and partial buffers are exercised (the interpreter runs every
     program in Python: few, to keep tests short); graph_tokens: the largest token bucket.
     draft_graphs: the self-planning graphs (chains, rounds, asynchronous runs) too, else
-    their steps are planned on the host. -> the worker."""
+    their steps are planned on the host; deterministic: the deterministic mode's attention
+    (its chunk chunk_pages). -> the worker."""
     from aspire_ray.attention.triton_backend import TritonBackend
     from aspire_ray.kernels.paged_attention import AttentionConfig
     from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
     from aspire_ray.worker.step_graphs import StepGraphs
 
     w = engine.executor.worker
-    w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages))
+    w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages),
+                              deterministic=deterministic, kv_chunk_pages=chunk_pages)
     w.step_resources = replace(w.step_resources, backend=w.backend)  # planning's backend too
     w.graphs = PiecewiseGraphs(w.model, w.backend, graph_tokens, w.device, EagerGraph)
     split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None

@@ -124,8 +124,10 @@ def test_deterministic_attention_options_are_checked():
     backend = TritonBackend(deterministic=True)
     assert backend.config.block_m_min == backend.config.block_m_max == 64
     assert backend.config.kv_chunk_pages == 64
-    with pytest.raises(ValueError, match="contradict deterministic"):
-        TritonBackend(deterministic=True, kv_chunk_pages=8)
+    assert TritonBackend(deterministic=True, kv_chunk_pages=8).config.kv_chunk_pages == 8
+    for bad in ({"kv_chunk_pages": None}, {"block_m_min": 16}, {"split_max_q": 8}):
+        with pytest.raises(ValueError, match="contradict deterministic"):
+            TritonBackend(deterministic=True, **bad)
     with pytest.raises(ValueError, match="deterministic needs"):
         get_backend("flashinfer", "cuda", deterministic=True)
 
@@ -135,3 +137,33 @@ def test_serve_settings_carry_deterministic():
 
     assert EngineArgs(deterministic=True).to_engine_config().deterministic is True
     assert EngineArgs().to_engine_config().deterministic is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["magicdec", "aspire"])
+def test_deterministic_graphs_match_ar(tiny_model_dir, mode):
+    # the GPU's paths (self-planning graphs, fixed plans of one 64-row tile and fixed chunks)
+    # under Triton's interpreter: they plan and replay with the deterministic attention (the
+    # bitwise property itself is the GPU's: the interpreter's numpy rounds by tile position)
+    pytest.importorskip("triton")
+    from helpers import use_eager_graphs
+
+    model_dir = tiny_model_dir("llama_3l")
+    prompts = random_prompts(3, [8, 30, 50], vocab=256, seed=4)
+    params = [SamplingParams(max_tokens=7 + i, temperature=0.0, ignore_eos=True)
+              for i in range(3)]  # fmt: skip
+
+    def run(spec_mode):
+        cfg = build_engine_config(model_dir, spec_mode=spec_mode, max_num_batched_tokens=64,
+                                  num_pages=120, max_num_seqs=4, page_size=4, calibrate="off",
+                                  k_min=3, recent_pages=1, d_max=4, gamma=3, async_steps=4,
+                                  attention_backend="triton", deterministic=True)
+        engine = LLMEngine(cfg)
+        w = use_eager_graphs(engine, chunk_pages=4, deterministic=True)
+        out = run_staggered(engine, prompts, params, arrive_every=2)
+        replayed = w.step_graphs.steps + (w.draft_graphs.steps if w.draft_graphs else 0) + \
+            (w.async_graphs.steps if w.async_graphs else 0)  # fmt: skip
+        assert w.backend.config.block_m_min == 64 and replayed > 5
+        return out
+
+    assert run(mode) == run("ar")

@@ -32,12 +32,15 @@ class TritonBackend(AttentionBackend):
         if set(options) - known:
             raise ValueError(f"unknown attention_options {sorted(set(options) - known)} "
                              f"(known: {sorted(known)})")
-        if deterministic:
-            clash = {k for k, v in options.items() if k in DETERMINISTIC and DETERMINISTIC[k] != v}
+        if deterministic:  # any fixed chunk will do; the rest is DETERMINISTIC's
+            fixed = {k: v for k, v in DETERMINISTIC.items() if k != "kv_chunk_pages"}
+            clash = {k for k, v in options.items() if k in fixed and fixed[k] != v}
+            if options.get("kv_chunk_pages", 1) is None:
+                clash.add("kv_chunk_pages")
             if clash:
                 raise ValueError(f"attention_options {sorted(clash)} contradict deterministic "
                                  f"attention ({ {k: DETERMINISTIC[k] for k in sorted(clash)} })")
-            options = {**options, **DETERMINISTIC}
+            options = {"kv_chunk_pages": DETERMINISTIC["kv_chunk_pages"], **options, **fixed}
         self.deterministic = deterministic
         self.config = replace(config, **options) if options else config
 
