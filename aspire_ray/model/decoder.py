@@ -67,9 +67,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-            q_out: torch.Tensor | None = None):  # fmt: skip
+            q_out: torch.Tensor | None = None,
+            kv: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] after q/k norm and RoPE (q written
-        into q_out[:T] when given)."""
+        into q_out[:T] when given; with kv = (kv_cache, slot_mapping) k and v stored there by
+        RoPE's launch)."""
         t = x.shape[0]
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -78,7 +80,7 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k, q_out)
+        q, k = rotary(positions, q, k, q_out, None if kv is None else (v, *kv))
         return q, k, v
 
     def forward(self, x, positions, rotary, plan: AttentionPlan, kv_cache):
@@ -115,10 +117,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, tp)
 
     def pre_attention(self, x: torch.Tensor | None, residual: torch.Tensor, positions, rotary,
-                      q_out: torch.Tensor | None = None):  # fmt: skip
-        """residual += x (x None: the embeddings already are the residual) -> q, k, v."""
+                      q_out: torch.Tensor | None = None,
+                      kv: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+        """residual += x (x None: the embeddings already are the residual) -> q, k, v (kv:
+        ``Attention.qkv``'s, the KV store in RoPE's launch)."""
         h = self.input_layernorm(residual) if x is None else self.input_layernorm(x, residual)
-        return self.self_attn.qkv(h, positions, rotary, q_out)
+        return self.self_attn.qkv(h, positions, rotary, q_out, kv)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [T, Hq, D]: o_proj, residual add, norm, MLP -> the MLP output [T, hidden]."""
@@ -161,7 +165,8 @@ class DecoderModel(nn.Module):
     def span(self, lo: int, hi: int, input_ids: torch.Tensor, positions: torch.Tensor,
              residual: torch.Tensor | None, attend: Callable | None = None,
              attn_in: torch.Tensor | None = None, store: Callable | None = None,
-             q_out: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+             q_out: torch.Tensor | None = None,
+             kv_of: Callable | None = None) -> torch.Tensor | None:  # fmt: skip
         """The one layer loop, of the eager forward and of the piecewise and whole-step CUDA
         graphs: layers [lo, hi) over the residual stream [T, hidden], updated in place (None
         with lo = 0: the embeddings become it), each as pre-attention -> ``attend(i, q, k, v)``
@@ -169,7 +174,9 @@ class DecoderModel(nn.Module):
         layer lo - 1's post-attention of ``attn_in`` [T, Hq, D] (attended between two spans).
         Then the final norm (hi = L: returned) or layer hi's pre-attention: its q into
         ``q_out``, ``store(hi, k, v)``, None returned. Pieces of no layer (lo = hi) are the
-        piecewise graphs'."""
+        piecewise graphs'. kv_of(i) -> (kv_cache, slot_mapping): every layer's K/V stored by
+        its RoPE launch (``Attention.qkv``), so ``attend`` gets k = v = None and ``store`` is
+        not called."""
         layers = self.layers
         x = None
         if lo == 0:
@@ -181,12 +188,17 @@ class DecoderModel(nn.Module):
         else:
             x = layers[lo - 1].post_attention(attn_in, residual)
         for i in range(lo, hi):
-            q, k, v = layers[i].pre_attention(x, residual, positions, self.rotary)
+            kv = None if kv_of is None else kv_of(i)
+            q, k, v = layers[i].pre_attention(x, residual, positions, self.rotary, None, kv)
+            if kv is not None:
+                k = v = None  # already in the cache
             x = layers[i].post_attention(attend(i, q, k, v), residual)
         if hi == len(layers):
             return self.norm(x, residual)
-        _, k, v = layers[hi].pre_attention(x, residual, positions, self.rotary, q_out)
-        store(hi, k, v)
+        kv = None if kv_of is None else kv_of(hi)
+        _, k, v = layers[hi].pre_attention(x, residual, positions, self.rotary, q_out, kv)
+        if kv is None:
+            store(hi, k, v)
         return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from aspire_ray.kernels.reference import rotary_ref
+from aspire_ray.kernels.reference import rotary_ref, store_kv_ref
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -46,20 +46,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                q_out: torch.Tensor | None = None,
+                kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype).
 
         On a GPU one fused kernel rotates k in place and q in place or into ``q_out[:T]`` (a
         static buffer of the CUDA-graph path); elsewhere new tensors (copied into q_out if given).
+        kv: (v, kv_cache, slot_mapping): the rotated k and v stored there too (on a GPU in the
+        same launch, ``kernels.rope``).
         """
         if fused_ops(q):
             from aspire_ray.kernels.rope import rotary_embedding
 
-            return rotary_embedding(positions, q, k, self.cos, self.sin, q_out), k
+            return rotary_embedding(positions, q, k, self.cos, self.sin, q_out, kv), k
         q, k = rotary_ref(positions, q, self.cos, self.sin), rotary_ref(positions, k, self.cos,
                                                                           self.sin)  # fmt: skip
         if q_out is not None:
             q = q_out[: q.shape[0]].copy_(q)
+        if kv is not None:
+            store_kv_ref(k, kv[0], kv[1], kv[2])
         return q, k
 
 

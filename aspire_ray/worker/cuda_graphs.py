@@ -137,12 +137,8 @@ class PiecewiseGraphs:
         """Piece i of bucket n: layer i - 1's post-attention (or the embedding) and layer i's
         q/k/v and KV store (or the final norm), no attention (``DecoderModel.span(i, i)``)."""
         ids, positions, slots = self.inputs[n][:, :n]
-
-        def store(layer, k, v):
-            self.backend.store_kv(k, v, kv_caches[layer], slots)
-
         return self.model.span(i, i, ids, positions, self.residual[:n], None, self.attn_out[:n],
-                               store, self.q[:n])  # fmt: skip
+                               None, self.q[:n], lambda layer: (kv_caches[layer], slots))
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         with torch.inference_mode():

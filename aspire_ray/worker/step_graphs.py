@@ -97,15 +97,11 @@ class StepGraphs:
         p, layers, backend = self.pieces, self.model.layers, self.pieces.backend
         ids, positions, slots = p.inputs[n][:, :n]
 
-        def store(i, k, v):
-            backend.store_kv(k, v, kv_caches[i], slots)
-
-        def attend(i, q, k, v):
-            store(i, k, v)
+        def attend(i, q, k, v):  # k, v: stored by RoPE's launch (kv_of)
             return backend.attention(q, kv_caches[i], meta, layers[i].self_attn.scale)
 
         return self.model.span(lo, hi, ids, positions, p.residual[:n], attend, p.attn_out[:n],
-                               store, p.q[:n])  # fmt: skip
+                               None, p.q[:n], lambda i: (kv_caches[i], slots))  # fmt: skip
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces

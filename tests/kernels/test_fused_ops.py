@@ -6,6 +6,7 @@ import torch
 from aspire_ray.kernels.activation import silu_and_mul
 from aspire_ray.kernels.fused_norm import rms_norm
 from aspire_ray.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from aspire_ray.kernels.kv_store import store_kv
 from aspire_ray.kernels.rope import rotary_embedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,6 +78,32 @@ def test_rope_in_place_on_qkv_views(dtype, heads):
     _close(q, q_exp)
     _close(k, k_exp)
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("heads", [(3, 1, 64), (4, 2, 80)], ids=["g3-d64", "g2-d80"])
+def test_rope_with_the_kv_store_is_rope_then_store_kv(dtype, heads):
+    # one launch: the bits RoPE then store_kv give (the GPU steps' layers, one kernel fewer)
+    hq, hk, d = heads
+    t, ps = 7, 4
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    pos = torch.tensor([0, 1, 5, 17, 3, 200, 9], device=DEVICE)
+    freqs = torch.outer(torch.arange(256.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    cache = _randn(6, 2 * ps * hk * d, dtype=dtype, seed=5).view(6, 2, ps, hk, d)
+    slots = torch.tensor([3, 0, -1, 22, 9, 14, -1], device=DEVICE)  # -1: padding, skipped
+    q2, k2, v2, expected = q.clone(), k.clone(), v.clone(), cache.clone()
+    rotary_embedding(pos, q2, k2, cos, sin)
+    store_kv(k2, v2, expected, slots)
+    q_out = torch.empty(8, hq, d, dtype=dtype, device=DEVICE)
+    got = rotary_embedding(pos, q, k, cos, sin, q_out=q_out, kv=(v, cache, slots))
+    assert torch.equal(got, q2) and torch.equal(k, k2)
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match="kv must be"):
+        rotary_embedding(pos, q, k, cos, sin, kv=(v, cache, slots[:3]))
 
 
 def test_rope_into_q_out_leaves_q():
