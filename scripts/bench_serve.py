@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import re
 import shlex
 import socket
 import sys
@@ -104,8 +106,11 @@ def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict
                      "prompt_tokens": prompt_tokens}
 
 
-async def stream_one(client, url: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming completion: TTFT, gaps between content chunks, completion tokens."""
+async def stream_one(client, url: str, prompt: str, max_tokens: int, started: list[int],
+                     total: int, all_started: asyncio.Event) -> dict:  # fmt: skip
+    """One streaming completion: TTFT, gaps between content chunks (and their arrival times),
+    completion tokens. started[0] counts requests with a first chunk; all_started is set when
+    it reaches total."""
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -122,37 +127,80 @@ async def stream_one(client, url: str, prompt: str, max_tokens: int) -> dict:
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     arrivals.append(time.perf_counter())
+                    if len(arrivals) == 1:
+                        started[0] += 1
+                        if started[0] == total:
+                            all_started.set()
                 finish = choice.get("finish_reason") or finish
     end = time.perf_counter()
-    return {"ttft_s": arrivals[0] - t0 if arrivals else end - t0,
+    return {"ttft_s": arrivals[0] - t0 if arrivals else end - t0, "arrivals": arrivals,
             "gaps_s": [b - a for a, b in zip(arrivals[:-1], arrivals[1:], strict=True)],
             "completion_tokens": usage["completion_tokens"] if usage else len(arrivals),
             "finish_reason": finish, "latency_s": end - t0}
 
 
+async def engine_counters(client, url: str) -> tuple[float, float]:
+    """(engine steps, their worker seconds) from the server's /metrics."""
+    text = (await client.get(f"{url}/metrics")).text
+    found = {name: float(m.group(1)) for name in ("steps", "step_seconds")
+             if (m := re.search(rf"^aspire_engine_{name}_total{{[^}}]*}} (\S+)$", text, re.M))}
+    return found.get("steps", math.nan), found.get("step_seconds", math.nan)
+
+
+def steady_decode(results: list[dict], t_all: float, counters: tuple, end: tuple) -> dict:
+    """Steady decode: after every request has its first chunk (all prompts prefilled, at t_all):
+    the gaps between chunks there, and the engine's worker time a step (a plan) over the same
+    span, read from /metrics at both ends; issue 16 asks the gaps' p50 <= 1.2x that."""
+    gaps = [b - a for r in results for a, b in zip(r["arrivals"][:-1], r["arrivals"][1:],
+                                                  strict=True) if a >= t_all]  # fmt: skip
+    steps, seconds = end[0] - counters[0], end[1] - counters[1]
+    step_ms = 1e3 * seconds / steps if steps > 0 else math.nan
+    gap = percentiles(gaps)
+    return {"gaps": len(gaps), "inter_chunk": gap, "engine_steps": steps,
+            "engine_step_ms": step_ms, "gap_p50_over_step": gap["p50_ms"] / step_ms}
+
+
 async def run_clients(url: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    """``--concurrency`` clients drain a shared queue of the prompts."""
+    """``--concurrency`` clients drain a shared queue of the prompts; with one client a prompt,
+    the steady-decode figures (``steady_decode``) too."""
     import httpx
 
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[dict] = []
+    all_started = asyncio.Event()
+    started = [0]
 
     async def client_loop(client) -> None:
         while not queue.empty():
-            results.append(await stream_one(client, url, queue.get_nowait(), args.max_tokens))
+            results.append(await stream_one(client, url, queue.get_nowait(), args.max_tokens,
+                                            started, len(prompts), all_started))
 
     async with httpx.AsyncClient(timeout=600) as client:
+        steady = args.concurrency >= len(prompts)
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+        clients = asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+        mark = None
+        if steady:  # a failing client must not leave this waiting for the rest to start
+            waiter = asyncio.ensure_future(all_started.wait())
+            await asyncio.wait({waiter, clients}, return_when=asyncio.FIRST_COMPLETED)
+            if all_started.is_set():
+                mark = (time.perf_counter(), await engine_counters(client, url))
+            waiter.cancel()
+        await clients
         wall = time.perf_counter() - t0
+        end = await engine_counters(client, url) if steady else None
     tokens = sum(r["completion_tokens"] for r in results)
-    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-            "concurrency": args.concurrency,
-            "ttft": percentiles([r["ttft_s"] for r in results]),
-            "inter_chunk": percentiles([g for r in results for g in r["gaps_s"]]),
-            "requests": [{k: v for k, v in r.items() if k != "gaps_s"} for r in results]}
+    out = {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+           "concurrency": args.concurrency,
+           "ttft": percentiles([r["ttft_s"] for r in results]),
+           "inter_chunk": percentiles([g for r in results for g in r["gaps_s"]])}
+    if mark is not None:
+        out["steady_decode"] = steady_decode(results, mark[0], mark[1], end)
+    out["requests"] = [{k: v for k, v in r.items() if k not in ("gaps_s", "arrivals")}
+                       for r in results]  # fmt: skip
+    return out
 
 
 def free_port() -> int:
@@ -198,6 +246,11 @@ def table(result: dict) -> str:
     rows.append(f"| served x{srv['concurrency']} | {srv['wall_s']:.2f} | {srv['output_tokens']} "
                 f"| {srv['tokens_per_s']:.1f} | {ttft} | {gap} |")
     rows.append(f"\nserved / offline tokens/s: {result['ratio']:.3f}")
+    if "steady_decode" in srv:
+        sd = srv["steady_decode"]
+        rows.append(f"steady decode: gap p50 {sd['inter_chunk']['p50_ms']:.1f} ms, engine "
+                    f"{sd['engine_step_ms']:.1f} ms a step ({sd['engine_steps']:.0f} steps): "
+                    f"{sd['gap_p50_over_step']:.2f}x")
     return "\n".join(rows)
 
 

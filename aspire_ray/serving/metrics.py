@@ -148,6 +148,9 @@ class ServingMetrics:
         gauge("aspire_kv_cache_usage_ratio", "Fraction of KV pages in use.", base,
               used / total if total else 0.0)
         counter("aspire_engine_steps_total", "Engine steps run.", base, stats.get("steps", 0))
+        counter("aspire_engine_step_seconds_total",
+                "Worker seconds of the engine's steps (a step: one plan, its forwards).", base,
+                sum(stats.get("step_seconds", {}).values()))
         counter("aspire_preemptions_total", "Requests preempted for lack of pages.", base,
                 stats.get("preemptions", 0))
         gauge("aspire_engine_healthy", "1 while the engine loop is alive.", base, int(healthy))

@@ -22,7 +22,7 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--model", tiny_chat_model, "--device", "cpu",
            "--dtype", "float32", "--spec-mode", "aspire", "--engine-options", json.dumps(engine),
            "--num-prompts", "4", "--prompt-tokens", "200", "--max-tokens", "8",
-           "--concurrency", "2", "--out", str(out)]
+           "--concurrency", "4", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -33,9 +33,15 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
     for key in ("ttft", "inter_chunk"):
         assert set(served[key]) == {"p50_ms", "p90_ms", "p99_ms"}
     assert len(served["requests"]) == 4
+    # a client a prompt: the steady-decode figures, the engine's steps read from /metrics (8
+    # tokens may all come in the first chunks here: then no step after them)
+    steady = served["steady_decode"]
+    assert steady["engine_steps"] >= 0 and set(steady["inter_chunk"]) == {
+        "p50_ms", "p90_ms", "p99_ms"}
+    assert steady["engine_steps"] == 0 or steady["engine_step_ms"] > 0
     for req in served["requests"]:
         assert req["completion_tokens"] == 8 and req["finish_reason"] == "length"
-    assert "served / offline" in proc.stdout
+    assert "served / offline" in proc.stdout and "steady decode" in proc.stdout
 
 
 def test_offline_and_served_engines_get_one_config(monkeypatch):
