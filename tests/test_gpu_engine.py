@@ -27,11 +27,11 @@ SMOLLM2_SHAPES = dict(model_type="llama", hidden_size=576, intermediate_size=153
                       tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
-def _run(mode, dtype, temperature=0.0, max_tokens=32, **kw):
+def _run(mode, dtype, temperature=0.0, max_tokens=32, num_pages=4096, **kw):
     # contexts up to 1200 tokens: with k_min=8 pages draft rows are really sparse, and rows
     # over 32 pages take the split-KV path
     cfg = build_engine_config("dummy", load_format="dummy", hf_overrides=SMOLLM2_SHAPES,
-                              device="cuda", dtype=dtype, spec_mode=mode, num_pages=4096,
+                              device="cuda", dtype=dtype, spec_mode=mode, num_pages=num_pages,
                               max_num_batched_tokens=2048, k_min=8, recent_pages=2,
                               calibrate="off", **kw)
     engine = LLMEngine(cfg)
@@ -43,7 +43,7 @@ def _run(mode, dtype, temperature=0.0, max_tokens=32, **kw):
                              top_p=0.9 if temperature else 1.0, seed=i, ignore_eos=True)
               for i in range(len(prompts))]  # fmt: skip
     out = run_staggered(engine, prompts, params, arrive_every=2)
-    _run.last_worker = worker
+    _run.last_worker, _run.last_engine = worker, engine
     return out
 
 
@@ -150,12 +150,18 @@ def test_fused_row_planning_is_the_tensor_ops_bit_for_bit(mode):
     assert steps > 20, "no step replayed the self-planning graphs"
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_deterministic_bf16_every_mode_is_ar(graphs):
+@pytest.mark.parametrize("graphs,pages", [(True, 4096), (False, 4096), (True, 100)],
+                         ids=["graphs", "eager", "preempting"])
+def test_deterministic_bf16_every_mode_is_ar(graphs, pages):
     # issue 18: with EngineConfig.deterministic every row's logits are the same bits whatever
     # its step, so bf16 greedy output of every speculative mode is `ar`'s, token for token
-    # (without it, 5 of 6 requests at best: test_every_mode_vs_ar_on_gpu)
-    expected = _run("ar", "bfloat16", max_tokens=64, deterministic=True, cuda_graphs=graphs)
+    # (without it, 5 of 6 requests at best: test_every_mode_vs_ar_on_gpu); requests arrive
+    # mid-run (run_staggered), and with 100 pages and no admission headroom some are preempted
+    # and recomputed (4 times in `ar`, checked on the CPU)
+    kw = dict(max_tokens=64, deterministic=True, cuda_graphs=graphs, num_pages=pages,
+              admission_headroom_tokens=0 if pages < 4096 else None)
+    expected = _run("ar", "bfloat16", **kw)
     for mode in SPEC_MODES[1:]:
-        got = _run(mode, "bfloat16", max_tokens=64, deterministic=True, cuda_graphs=graphs)
-        assert got == expected, mode
+        assert _run(mode, "bfloat16", **kw) == expected, mode
+        if pages < 4096:
+            assert _run.last_engine.stats()["preemptions"] > 0, mode
