@@ -19,6 +19,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from bench_floor import copy_bandwidth
 
 from aspire_ray.kernels.linear import LinearConfig, triton_linear
 
@@ -31,21 +32,6 @@ SHAPES = {
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                  "down": (4096, 12288)},
 }
-
-
-def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
-    """Bytes read + written per second of a device-to-device copy (median)."""
-    a = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(reps + 2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() / statistics.median(times[2:])
 
 
 def graph_time(fn, layers: int, reps: int) -> float:
@@ -91,7 +77,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"), 1 << 30, 10)["bytes_per_s"]
     shapes = SHAPES[args.model_shape]
     names = args.projections.split(",") if args.projections else list(shapes)
     results = []

@@ -507,8 +507,8 @@ def main() -> None:
                 print(f"{mode}: priced by {args.cost_fallback}'s costs ({e})")
                 source = args.cost_fallback
                 costs = load_costs(args.costs, source, meta)
-            asynchronous = not SpecConfig(mode=source.partition("/")[0]).synchronized and \
-                SpecConfig(mode=source.partition("/")[0]).speculative  # fmt: skip
+            spec = SpecConfig(mode=source.partition("/")[0])
+            asynchronous = spec.speculative and not spec.synchronized
             cost_cache[key] = with_mixed_step(costs, args.mixed_step_ms / 1e3, asynchronous)
         return cost_cache[key]
 

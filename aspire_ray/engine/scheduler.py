@@ -232,10 +232,11 @@ class Scheduler:
         now = self.policy.align(gammas, held, self.decode_steps, caps)
         now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, now, caps,
                                                                           strict=True)]
-        steps = self._async_length(reqs)
-        held_next = [held_after(async_kinds(h, g, steps), h)
-                     for h, g in zip(held, now, strict=True)]  # fmt: skip
-        gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps)
+        if spec.verify_quantum > 1:  # per plan, and only with slots: the drafts held then
+            steps = self._async_length(reqs)
+            held_next = [held_after(async_kinds(h, g, steps), h)
+                         for h, g in zip(held, now, strict=True)]  # fmt: skip
+            gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps)
         for draft_lengths in (now, gammas):
             if sum(max(len(r.drafts), g) + 1
                    for r, g in zip(reqs, draft_lengths, strict=True)) > budget:  # fmt: skip

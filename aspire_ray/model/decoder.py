@@ -164,8 +164,7 @@ class DecoderModel(nn.Module):
 
     def span(self, lo: int, hi: int, input_ids: torch.Tensor, positions: torch.Tensor,
              residual: torch.Tensor | None, attend: Callable | None = None,
-             attn_in: torch.Tensor | None = None, store: Callable | None = None,
-             q_out: torch.Tensor | None = None,
+             attn_in: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
              kv_of: Callable | None = None) -> torch.Tensor | None:  # fmt: skip
         """The one layer loop, of the eager forward and of the piecewise and whole-step CUDA
         graphs: layers [lo, hi) over the residual stream [T, hidden], updated in place (None
@@ -173,10 +172,10 @@ class DecoderModel(nn.Module):
         -> post-attention. A span from lo = 0 embeds ``input_ids``; a later one starts with
         layer lo - 1's post-attention of ``attn_in`` [T, Hq, D] (attended between two spans).
         Then the final norm (hi = L: returned) or layer hi's pre-attention: its q into
-        ``q_out``, ``store(hi, k, v)``, None returned. Pieces of no layer (lo = hi) are the
+        ``q_out``, its K/V into the cache, None returned. Pieces of no layer (lo = hi) are the
         piecewise graphs'. kv_of(i) -> (kv_cache, slot_mapping): every layer's K/V stored by
-        its RoPE launch (``Attention.qkv``), so ``attend`` gets k = v = None and ``store`` is
-        not called."""
+        its RoPE launch (``Attention.qkv``), so ``attend`` gets k = v = None (needed where
+        hi < L; without it ``attend`` stores them)."""
         layers = self.layers
         x = None
         if lo == 0:
@@ -195,10 +194,7 @@ class DecoderModel(nn.Module):
             x = layers[i].post_attention(attend(i, q, k, v), residual)
         if hi == len(layers):
             return self.norm(x, residual)
-        kv = None if kv_of is None else kv_of(hi)
-        _, k, v = layers[hi].pre_attention(x, residual, positions, self.rotary, q_out, kv)
-        if kv is None:
-            store(hi, k, v)
+        layers[hi].pre_attention(x, residual, positions, self.rotary, q_out, kv_of(hi))
         return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ class PiecewiseGraphs:
         q/k/v and KV store (or the final norm), no attention (``DecoderModel.span(i, i)``)."""
         ids, positions, slots = self.inputs[n][:, :n]
         return self.model.span(i, i, ids, positions, self.residual[:n], None, self.attn_out[:n],
-                               None, self.q[:n], lambda layer: (kv_caches[layer], slots))
+                               self.q[:n], lambda layer: (kv_caches[layer], slots))
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         with torch.inference_mode():

@@ -101,7 +101,7 @@ class StepGraphs:
             return backend.attention(q, kv_caches[i], meta, layers[i].self_attn.scale)
 
         return self.model.span(lo, hi, ids, positions, p.residual[:n], attend, p.attn_out[:n],
-                               None, p.q[:n], lambda i: (kv_caches[i], slots))  # fmt: skip
+                               p.q[:n], lambda i: (kv_caches[i], slots))  # fmt: skip
 
     def _capture(self, n: int, kv_caches: list[torch.Tensor]) -> None:
         p = self.pieces
