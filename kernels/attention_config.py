@@ -35,6 +35,10 @@ class AttentionConfig:
     ramp_pages: int = 16
     split_max_q: int = 64  # rows with more queries are never split (they have parallelism)
     kv_chunk_pages: int | None = None  # fixed chunk size in pages (tests); None: automatic
+    # A split row's chunks of equal length (its pages over its split count), or (False) cut at
+    # every chunk's multiple from KV token 0, so that a query's chunks depend on its position
+    # only, not on how many keys its row holds past it (the deterministic mode).
+    balanced_chunks: bool = True
     # the split-KV merge: heads per program (None: 256 // head_dim) and splits loaded at once
     merge_head_block: int | None = None
     merge_split_block: int = 16
@@ -86,11 +90,13 @@ DEFAULT_CONFIG = AttentionConfig()
 
 # The deterministic mode's attention (EngineConfig.deterministic, issue 18): every row in the
 # widest query tile (a query's products then do not depend on the tile it shares or its place
-# there) and every row's KV cut into chunks of one page count, whatever its query count (so a
-# query's chunks, each one online-softmax pass and then the merge in chunk order, depend on
-# its position only; chunks past a query's causal limit add exact zeros).
+# there) and every row's KV cut into chunks of one page count from KV token 0, whatever its
+# query count and length (so a query's chunks, each one online-softmax pass and then the merge
+# in chunk order, depend on its position only; chunks past a query's causal limit add exact
+# zeros). Balanced chunks would move a query's chunk boundaries whenever its row holds one more
+# page than it sees: a verify row across a page boundary, a prompt prefilled in other pieces.
 DETERMINISTIC = dict(block_m_min=64, block_m_max=64, kv_chunk_pages=64, split_max_q=1 << 30,
-                     mixed_one_launch=True)  # fmt: skip
+                     balanced_chunks=False, mixed_one_launch=True)  # fmt: skip
 
 # splits of a step's longest row tried by the wave-fitted chunk rule (1..FIT_SPLITS)
 FIT_SPLITS = 64

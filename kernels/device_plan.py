@@ -102,6 +102,8 @@ def attention_items(kv_indptr: torch.Tensor, last_len: torch.Tensor, n_q: torch.
     splits = torch.where(n_q <= cfg.split_max_q, (n_pages + chunk - 1) // chunk, live.long())
     splits = torch.where(live, splits.clamp(min=1), 0)
     per = (n_pages + splits - 1) // splits.clamp(min=1)  # pages per chunk, balanced
+    if not cfg.balanced_chunks:  # cut at multiples of the chunk
+        per = torch.where(splits > 1, chunk, per)
     splits = torch.where(live, (n_pages + per - 1) // per.clamp(min=1), 0)
     split_rows = splits > 1
     part_rows = torch.where(split_rows, splits * n_q, 0)

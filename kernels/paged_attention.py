@@ -354,6 +354,8 @@ def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
         chunk = max(cfg.min_chunk_pages, math.ceil(int((n_pages * blocks).sum()) * hkv / target))
     splits = np.where(n_q <= cfg.split_max_q, -(-n_pages // chunk), 1)
     per = -(-n_pages // splits)  # pages per chunk, balanced
+    if not cfg.balanced_chunks:  # cut at multiples of the chunk
+        per = np.where(splits > 1, chunk, per)
     splits = -(-n_pages // per)
     sr = np.nonzero(splits > 1)[0]  # split rows
     part_base = np.zeros_like(n_q)

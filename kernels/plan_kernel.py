@@ -80,6 +80,7 @@ def _plan_kernel(
     BM3: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BM_MIN: tl.constexpr, BM_MAX: tl.constexpr, BM_WIDE: tl.constexpr, BM_ONE: tl.constexpr,
     MIN_CHUNK: tl.constexpr, FIXED_CHUNK: tl.constexpr, SPLIT_MAX_Q: tl.constexpr,
+    BALANCED: tl.constexpr,
     WIDE: tl.constexpr, ONE_LAUNCH: tl.constexpr, UNIFORM_Q: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     SLOTS: tl.constexpr, RAMP: tl.constexpr, FIT_SPLITS: tl.constexpr,
@@ -129,7 +130,9 @@ def _plan_kernel(
     live = n_pages > 0
     splits = tl.where(n_q <= SPLIT_MAX_Q, (n_pages + chunk - 1) // chunk, live.to(tl.int64))
     splits = tl.where(live, tl.maximum(splits, 1), 0)
-    per = (n_pages + splits - 1) // tl.maximum(splits, 1)
+    per = (n_pages + splits - 1) // tl.maximum(splits, 1)  # pages per chunk, balanced
+    if not BALANCED:  # cut at multiples of the chunk
+        per = tl.where(splits > 1, chunk, per)
     splits = tl.where(live, (n_pages + per - 1) // tl.maximum(per, 1), 0)
     split_rows = splits > 1
     part_base = tl.where(split_rows, _excl_cumsum(tl.where(split_rows, splits * n_q, 0)), 0)
@@ -201,7 +204,8 @@ def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_star
         HKV=hkv, PAGE_SIZE=page_size, BM_MIN=cfg.block_m_min, BM_MAX=cfg.block_m_max,
         BM_WIDE=max(block_ms),
         BM_ONE=_block_m(1, group, cfg), MIN_CHUNK=cfg.min_chunk_pages,
-        FIXED_CHUNK=cfg.kv_chunk_pages or 0, SPLIT_MAX_Q=cfg.split_max_q, WIDE=wide_tiles,
+        FIXED_CHUNK=cfg.kv_chunk_pages or 0, SPLIT_MAX_Q=cfg.split_max_q,
+        BALANCED=cfg.balanced_chunks, WIDE=wide_tiles,
         ONE_LAUNCH=cfg.mixed_one_launch,
         UNIFORM_Q=uniform_q or 0, BLOCK_R=max(16, triton.next_power_of_2(rows + 1)),
         BLOCK_I=_ITEMS_BLOCK, SLOTS=(cfg.resident_programs or 0) * num_sms, RAMP=cfg.ramp_pages,

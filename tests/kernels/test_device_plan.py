@@ -29,11 +29,13 @@ from aspire_ray.kernels.paged_attention import (
 PS = 16
 # default: the wave-fitted chunk; small-chunks: the same with chunks down to a page (fewer
 # slots, so the tests' rows span several waves); waves-rule: the older chunk, total pages over
-# waves x SMs; fixed-chunks: a fixed chunk
+# waves x SMs; fixed-chunks: a fixed chunk; cut-chunks: a fixed chunk cut from token 0 (the
+# deterministic mode's), not balanced over the row
 CONFIGS = [AttentionConfig(), AttentionConfig(min_chunk_pages=1, waves=2.0, resident_programs=1),
            AttentionConfig(min_chunk_pages=1, waves=2.0, resident_programs=None),
-           AttentionConfig(kv_chunk_pages=3)]  # fmt: skip
-IDS = ["default", "small-chunks", "waves-rule", "fixed-chunks"]
+           AttentionConfig(kv_chunk_pages=3),
+           AttentionConfig(kv_chunk_pages=3, balanced_chunks=False)]  # fmt: skip
+IDS = ["default", "small-chunks", "waves-rule", "fixed-chunks", "cut-chunks"]
 
 
 def _meta(pages: list[int], lasts: list[int], q: int = 1) -> PagedKVMeta:

@@ -5,8 +5,8 @@ import torch
 
 from aspire_ray.kernels.activation import silu_and_mul
 from aspire_ray.kernels.fused_norm import rms_norm
-from aspire_ray.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from aspire_ray.kernels.kv_store import store_kv
+from aspire_ray.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from aspire_ray.kernels.rope import rotary_embedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

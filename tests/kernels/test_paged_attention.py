@@ -40,6 +40,7 @@ CONFIGS = {
     "default": AttentionConfig(),
     "split2-bn16": AttentionConfig(block_n=16, kv_chunk_pages=2),
     "split3-bm32": AttentionConfig(block_m_min=32, block_m_max=32, kv_chunk_pages=3),
+    "cut3": AttentionConfig(kv_chunk_pages=3, balanced_chunks=False),
 }
 
 
@@ -284,11 +285,15 @@ def test_register_caps_keep_every_bit(dtype):
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
-def test_deterministic_config_gives_a_query_the_same_bits_in_any_row():
+@pytest.mark.parametrize("first", [1200, 256], ids=["inside-a-page", "row-one-page-longer"])
+def test_deterministic_config_gives_a_query_the_same_bits_in_any_row(first):
     # attention_config.DETERMINISTIC: one 64-row tile for every row, KV chunks of a fixed page
-    # count: a query at position p gets the same output as a decode row alone as the j-th
-    # query of a verify row (its later keys masked) beside another long row (issue 18). The
-    # default config splits each row by what the whole step fills, and rounds otherwise.
+    # count cut from token 0: a query at position p gets the same output as a decode row alone
+    # as the j-th query of a verify row (its later keys masked) beside another long row (issue
+    # 18). row-one-page-longer: the row's last keys open a 17th page that its first query does
+    # not see, where chunks balanced over the row (8 pages -> 3 chunks of 6) would cut that
+    # query's keys otherwise than its 16 pages alone (2 chunks of 8). The default config splits
+    # each row by what the whole step fills, and rounds otherwise.
     from dataclasses import replace
 
     from aspire_ray.kernels.attention_config import DETERMINISTIC
@@ -299,18 +304,23 @@ def test_deterministic_config_gives_a_query_the_same_bits_in_any_row():
     kv = torch.randn(200, 2, ps, hkv, d, generator=gen).to(DEVICE)
     q = torch.randn(6, hq, d, generator=gen).to(DEVICE)  # the verify row's queries
     pages, other = list(range(3, 83)), list(range(100, 180))
-    step = PagedKVMeta.build([6, 1], [pages[: -(-1205 // ps)], other], [1205, 1280], ps,
+    last = first + 5
+    step = PagedKVMeta.build([6, 1], [pages[: -(-last // ps)], other], [last, 1280], ps,
                              device=DEVICE)  # fmt: skip
     q_step = torch.cat([q, torch.randn(1, hq, d, generator=gen).to(DEVICE)])
+    balanced = replace(det, balanced_chunks=True)
     same = {}
-    for name, cfg in (("deterministic", det), ("default", DEFAULT_CONFIG)):
+    for name, cfg in (("deterministic", det), ("default", DEFAULT_CONFIG),
+                      ("balanced", balanced)):  # fmt: skip
         out_v = paged_attention(q_step, kv, step, 0.3, config=cfg)
         # Triton's interpreter multiplies a tile with numpy, whose BLAS rounds a row by its
         # place in the block; a GPU's MMA does not: on the CPU the first query only
-        for j in range(6) if DEVICE == "cuda" else [0]:  # query j sees 1200 + j keys
-            n = 1200 + j
+        for j in range(6) if DEVICE == "cuda" else [0]:  # query j sees first + j keys
+            n = first + j
             alone = PagedKVMeta.build([1], [pages[: -(-n // ps)]], [n], ps, device=DEVICE)
             out_1 = paged_attention(q[j : j + 1], kv, alone, 0.3, config=cfg)
             same[name, j] = torch.equal(out_1[0], out_v[j])
     assert all(v for (name, _), v in same.items() if name == "deterministic"), same
-    assert not same["default", 0], "the default split should round otherwise (test is blind)"
+    # (the default leaves 16 pages unsplit: it is blind there; balanced chunks are not)
+    blind = "default" if first == 1200 else "balanced"
+    assert not same[blind, 0], f"{blind} chunks should round otherwise (test is blind)"
