@@ -348,6 +348,9 @@ def main() -> None:
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
                                                  args.window))
                 per_mode[mode][-1]["domains"] = domains
+                run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
+                print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s",
+                      flush=True)
                 if recorder is not None:
                     recorder.detach()
                     traces.add_run(mode, {}, per_mode[mode][-1]["outs"], recorder)

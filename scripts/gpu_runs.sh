@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md, as run on a lent H200 without network
+# (python3.12 + torch + triton + transformers there; the rest comes in the offline bundle).
+#
+# Staging (one call each, back to back: the host keeps /tmp while warm):
+#   python scripts/offline_bundle.py --out .stage/bundle --no-model --chunk-mb 60   # here
+#   split -b 60000000 -d -a 2 <qwen .gguf> .stage/q                                 # here
+#   bash scripts/gpu_runs.sh bundle            # carry .stage/bundle
+#   bash scripts/gpu_runs.sh chunk             # carry .stage/qNN (a folder holding qNN), x9
+#   bash scripts/gpu_runs.sh join              # checks the sha256
+# Runs (results under $OUT, the log's tail printed):
+#   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
+#   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
+#   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS]
+#   bash scripts/gpu_runs.sh pytest ARGS...
+set -uo pipefail
+SITE=/tmp/site
+MODELS=/tmp/models
+QWEN05="$MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN05_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+OUT="${OUT:-/tmp/out}"
+export PYTHONPATH="$SITE:$PWD"
+cmd="$1"; shift
+
+run_logged() {  # NAME CMD...: the whole log under $OUT, its tail here
+  local name="$1"; shift
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 60 "$OUT/$name.log"; echo "[$name rc=$rc]"; return $rc
+}
+
+case "$cmd" in
+  bundle)
+    bash .stage/bundle/install.sh "$SITE" > /dev/null && rm -rf "$SITE"/aspire_ray "$SITE"/aspire_ray-*
+    python3 -c "import ray, gguf, pydantic, fastapi; print('bundle ok: ray', ray.__version__)"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+  chunk)
+    mkdir -p "$MODELS" && for d in .stage/q[0-9][0-9]; do mv "$d/$(basename "$d")" "$MODELS/"; done
+    ls "$MODELS" | tr '\n' ' '; echo ;;
+  join)
+    cat "$MODELS"/q[0-9][0-9] > "$QWEN05" && rm -f "$MODELS"/q[0-9][0-9]
+    echo "$QWEN05_SHA  $QWEN05" | sha256sum -c - ;;
+  sweep)
+    modes="$1"; repeats="$2"; contexts="${3:-32000}"; batch="${4:-64}"; new="${5:-128}"
+    shift $(( $# < 5 ? $# : 5 ))
+    run_logged sweep python3 scripts/bench_decode.py --model "$QWEN05" --contexts "$contexts" \
+      --batch "$batch" --max-tokens "$new" --repeats "$repeats" --modes "$modes" \
+      --out "$OUT/sweep.json" "$@" ;;
+  floor)
+    run_logged floor python3 scripts/bench_floor.py --model "$QWEN05" --modes "$1" \
+      --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;
+  serve)
+    run_logged serve python3 scripts/bench_serve.py --model "$QWEN05" --device cuda \
+      --dtype bfloat16 --spec-mode "$1" --engine-driver "$2" --num-prompts "${3:-64}" \
+      --prompt-tokens "${4:-16000}" --max-tokens 128 --concurrency "${3:-64}" \
+      --out "$OUT/serve.json" ;;
+  pytest)
+    run_logged pytest python3 -m pytest -q -p no:cacheprovider "$@" ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac
