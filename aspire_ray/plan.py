@@ -146,6 +146,11 @@ class ShardInfo:
     weight_bytes: int | None = None
     memory_bandwidth: float | None = None
     tp_size: int = 1
+    # one all-reduce of [n, hidden] activations on the TP group takes all_reduce_latency +
+    # all_reduce_per_token * n seconds (tp/collective_cost.py, measured at start-up, the same
+    # on every rank); 0 at TP=1
+    all_reduce_latency: float = 0.0
+    all_reduce_per_token: float = 0.0
     # query tokens of one row that share a KV read (the attention backend's query tile over a
     # GQA group): a row of more queries reads its KV once per tile. None: once for any count
     query_tile_tokens: int | None = None

@@ -66,6 +66,25 @@ def test_cache_is_reused_per_deployment(cache_dir):
     assert LLMEngine(forced, executor=ex).calibration.source == "sweep" and ex.calls > 0
 
 
+def test_each_tp_degree_has_its_own_calibration():
+    """TP=1 and TP=2 never share a fit: the all-reduces change every coefficient."""
+    fits = {}
+    for tp in (1, 2, 1, 2):
+        cfg = _cfg(tp_size=tp)
+        fake = FakeExecutor(cfg, seconds=lambda n, kv, tp=tp: tp * (TRUE[0] + TRUE[1] * n)
+                            + TRUE[2] * kv)  # fmt: skip
+        engine = LLMEngine(cfg, executor=fake)
+        cal = engine.calibration
+        assert f"-tp{tp}-" in cal.path
+        if tp in fits:  # the second start of a degree loads its own fit
+            assert cal.source == "cache" and fake.calls == 0
+            assert engine.cost_model.coef == fits[tp]
+        else:
+            assert cal.source == "sweep" and fake.calls > 0
+            fits[tp] = engine.cost_model.coef
+    assert fits[2].b_model == pytest.approx(2 * fits[1].b_model, rel=1e-6)
+
+
 def test_off_and_modes_without_cost_model_skip():
     for cfg in (_cfg(calibrate="off"), _cfg(mode="magicdec")):
         fake = FakeExecutor(cfg)

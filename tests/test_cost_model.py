@@ -20,6 +20,7 @@ from aspire_ray.spec.cost_model import (
     BOUND_FRACTION,
     KV_READ_FACTOR,
     PRIOR,
+    CollectiveCost,
     CostBounds,
     CostCoefficients,
     CostModel,
@@ -244,6 +245,68 @@ def test_physical_prior_where_the_bandwidth_was_measured():
     assert prior.b_kv == pytest.approx(KV_READ_FACTOR * 12288 / 4e12)
     assert prior.b_model == pytest.approx(1e9 / 4e12) and prior.b_tok == 0
     assert CostModel().prior == PRIOR  # nothing measured (CPU): the built-in prior
+
+
+# ---- tensor parallelism: the all-reduces measured on the TP group ---------------------------
+# Qwen3-8B's shape at TP=2 on NVLink (assumed): 36 layers, ~12 us a call, 16 KB (4096 bf16) of
+# activations a token at ~200 GB/s
+TP2 = CollectiveCost.from_all_reduce(num_layers=36, latency=12e-6, per_token=16384 / 200e9)
+
+
+def test_collective_term_counts_every_all_reduce():
+    # 2 all-reduces a layer + the embedding's carry tokens; the LM head's all-gather adds a call
+    assert TP2.per_step == pytest.approx(74 * 12e-6)
+    assert TP2.per_token == pytest.approx(73 * 16384 / 200e9)
+    assert CollectiveCost.from_all_reduce(36, 0.0, 0.0) == CollectiveCost()  # TP=1
+
+
+def test_bounds_and_priors_grow_by_the_collectives():
+    one = CostBounds.from_device(12288, 8e9, 4e12)
+    two = CostBounds.from_device(6144, 4e9, 4e12, TP2)  # each shard: half the KV and weights
+    assert two.b_model == pytest.approx(BOUND_FRACTION * (4e9 / 4e12 + TP2.per_step))
+    assert two.b_tok == pytest.approx(BOUND_FRACTION * TP2.per_token) and one.b_tok == 0
+    assert two.b_kv == pytest.approx(one.b_kv / 2)
+    p1, p2 = one.physical_prior(), two.physical_prior()
+    assert p2.b_model == pytest.approx(p1.b_model / 2 + TP2.per_step)
+    assert p2.b_tok == pytest.approx(TP2.per_token) and p1.b_tok == 0
+    # no bandwidth (a CPU gloo group): the collectives alone bound, and add to the prior
+    cpu = CostBounds.from_device(None, None, None, TP2)
+    assert (cpu.b_model, cpu.b_tok, cpu.b_kv) == pytest.approx(
+        (BOUND_FRACTION * TP2.per_step, BOUND_FRACTION * TP2.per_token, 0.0))
+    prior = CostModel(bounds=cpu).prior
+    assert (prior.b_model, prior.b_tok, prior.b_kv) == pytest.approx(
+        (PRIOR.b_model + TP2.per_step, PRIOR.b_tok + TP2.per_token, PRIOR.b_kv))
+    assert CostModel(bounds=CostBounds.from_device(None, None, None, CollectiveCost())).prior \
+        == PRIOR  # fmt: skip
+
+
+def test_online_fit_cannot_undercut_the_collectives():
+    """Steps whose query tokens look cheaper than their all-reduces allow (noise, a slow
+    all-reduce measurement) are refitted with each token paying at least its bound."""
+    rng = np.random.default_rng(4)
+    model = CostModel(bounds=CostBounds.from_device(6144, 4e9, 4e12, TP2))
+    free = CostModel()
+    for _ in range(200):
+        n, kv = int(rng.integers(1, 512)), float(rng.integers(1000, 400_000))
+        t = 4e-3 + 0.6 * TP2.per_token * n + 2e-9 * kv + rng.normal(0, 2e-5)
+        model.add_sample(n, kv, t)
+        free.add_sample(n, kv, t)
+    assert free.fit().b_tok == pytest.approx(0.6 * TP2.per_token, rel=0.05)
+    coef = model.fit()
+    assert model.fitted, model.status
+    assert coef.b_tok == pytest.approx(BOUND_FRACTION * TP2.per_token)
+    assert coef.b_model >= BOUND_FRACTION * (1e-3 + TP2.per_step)
+    summary = model.summary()["collective"]
+    assert summary == {"per_step": TP2.per_step, "per_token": TP2.per_token}
+
+
+def test_engine_takes_the_collective_term_from_the_workers_description():
+    cfg = _cfg()
+    info = {"all_reduce_latency": 12e-6, "all_reduce_per_token": 16384 / 200e9}
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, num_layers=36, info=info))
+    assert engine.cost_model.bounds.collective == TP2
+    assert LLMEngine(cfg, executor=FakeExecutor(cfg)).stats()["cost_model"]["collective"] == {
+        "per_step": 0.0, "per_token": 0.0}
 
 
 def test_sweep_that_hides_the_kv_term_takes_the_physical_rate():

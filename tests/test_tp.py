@@ -3,6 +3,7 @@ selects the same pages, bad head counts fail clearly, a dead worker fails reques
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SPEC_MODES
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
+from aspire_ray.spec.cost_model import BOUND_FRACTION
 
 ray = pytest.importorskip("ray")
 
@@ -93,13 +95,31 @@ def _same_scores_on_every_rank(executor, scored: list):
     return check
 
 
+def _check_collective_term(tp1: LLMEngine, tp2: LLMEngine) -> None:
+    """The cost model's collective term is 0 at TP=1 and measured at TP=2, where a shard reads
+    its share of the weights; the prediction error by step kind is reported at TP=2."""
+    one, two = tp1.stats()["cost_model"], tp2.stats()["cost_model"]
+    assert one["collective"] == {"per_step": 0.0, "per_token": 0.0}
+    assert tp1.info.all_reduce_latency == tp1.info.all_reduce_per_token == 0.0
+    assert two["collective"]["per_step"] > 0 and two["collective"]["per_token"] >= 0
+    assert two["bounds"]["b_model"] > one["bounds"]["b_model"]
+    # the prior without a calibration (CPU: no bandwidth) is PRIOR plus the collectives
+    assert two["prior"]["b_model"] == pytest.approx(
+        one["prior"]["b_model"] + two["collective"]["per_step"])
+    assert tp2.info.weight_bytes < tp1.info.weight_bytes  # the shard's bytes
+    errors = two["prediction_error"]
+    assert {"draft", "verify"} <= set(errors) or "mixed" in errors, errors
+    assert all(e["steps"] > 0 and math.isfinite(e["mean_abs"]) for e in errors.values())
+
+
 # llama: 4 q / 2 kv heads (kv heads split); qwen3: 4 q / 1 kv head (kv head replicated, q/k norm)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tp2_equals_tp1_every_mode(tiny_model_dir, tp2_executor, family):
     model_dir = tiny_model_dir(family)
     for mode in SPEC_MODES:
         t0 = time.perf_counter()
-        expected = _run(LLMEngine(_cfg(model_dir, mode, tp=1)))
+        tp1_engine = LLMEngine(_cfg(model_dir, mode, tp=1))
+        expected = _run(tp1_engine)
         t1 = time.perf_counter()
         cfg = _cfg(model_dir, mode, tp=2)
         executor = tp2_executor(family, cfg)
@@ -111,6 +131,8 @@ def test_tp2_equals_tp1_every_mode(tiny_model_dir, tp2_executor, family):
         print(f"{family} {mode}: tp1 {t1 - t0:.2f}s tp2 {time.perf_counter() - t1:.2f}s "
               f"{engine.stats()['steps']} steps")
         assert got == expected, f"{family} {mode}: tp=2 differs from tp=1"
+        if mode == "aspire":
+            _check_collective_term(tp1_engine, engine)
         if mode != "ar":
             assert any("draft" in k for k in engine.stats()["step_kinds"]), f"{mode} never drafted"
         if mode in SCORED_MODES:
@@ -154,6 +176,20 @@ def test_calibration_runs_on_tp2(tiny_model_dir, tp2_executor, tmp_path, monkeyp
     model = engine.cost_model
     c = model.coef
     assert (c.r2 is not None) == model.fitted and c.b_model > 0 and min(c.b_tok, c.b_kv) >= 0
+    # the all-reduce measured on the gloo group at start-up, the same on every rank, bounds
+    # every coefficient the sweep's fit or a refit can take (2 calls a layer + embedding)
+    info = engine.info
+    print(f"all-reduce: {info.all_reduce_latency * 1e6:.1f} us + "
+          f"{info.all_reduce_per_token * 1e9:.2f} ns/token; {model.summary()['collective']}")
+    assert info.all_reduce_latency > 0 and info.all_reduce_per_token >= 0
+    per_rank = engine.executor.measure_all_reduce()
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+    coll = model.bounds.collective
+    assert coll.per_step == pytest.approx((2 * info.num_layers + 2) * info.all_reduce_latency)
+    assert model.summary()["collective"]["per_step"] == coll.per_step > 0
+    assert model.bounds.b_model >= BOUND_FRACTION * coll.per_step
+    assert model.bounds.b_tok >= BOUND_FRACTION * coll.per_token
+    assert c.b_model >= model.bounds.b_model and c.b_tok >= model.bounds.b_tok
     assert engine.blocks.num_used == 0
     leftover = engine.executor.call_ranks("page_scores")
     assert all(not r for r in leftover), "synthetic requests leaked"
@@ -167,6 +203,16 @@ def test_heads_that_cannot_be_split_fail_clearly(tiny_model_dir):
                               calibrate="off")
     with pytest.raises(ValueError, match=r"3 attention heads cannot be split over tp_size=2"):
         LLMEngine(cfg)
+
+
+def test_all_reduce_cost_is_zero_on_one_rank():
+    import torch
+
+    from aspire_ray.tp import single_rank
+    from aspire_ray.tp.collective_cost import AllReduceCost, measure_all_reduce
+
+    got = measure_all_reduce(single_rank(), 64, torch.float32, torch.device("cpu"))
+    assert got == AllReduceCost() and got.seconds(100) == 0.0
 
 
 def test_llm_tp2_end_to_end_then_worker_death_fails_fast(ray_local, tiny_model_dir):
@@ -240,3 +286,4 @@ def test_worker_death_under_compiled_graph(tiny_model_dir, tp2_executor):
     assert time.perf_counter() - t0 < 10
     assert [o.finish_reason for o in outs] == ["error"] and "rank 0 died" in outs[0].error
     assert not engine.healthy
+

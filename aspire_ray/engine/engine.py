@@ -18,7 +18,7 @@ from aspire_ray.model import registry
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, StepOutput
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
-from aspire_ray.spec.cost_model import CostBounds, CostModel
+from aspire_ray.spec.cost_model import CollectiveCost, CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
 from .block_manager import BlockManager
@@ -66,10 +66,12 @@ class LLMEngine:
         self.max_model_len = min(cfg.scheduler.max_model_len or info.max_position_embeddings,
                                  info.max_position_embeddings)
         self.blocks = BlockManager(info.num_pages, cfg.cache.page_size)
-        # physics bounds from what the workers measured at start-up (absent: no bounds)
+        # physics bounds from what the workers measured at start-up (absent: no bounds): one
+        # shard's bytes over its bandwidth, and the TP group's all-reduces (0 at TP=1)
+        collective = CollectiveCost.from_all_reduce(
+            info.num_layers, info.all_reduce_latency, info.all_reduce_per_token)
         self.cost_model = CostModel(bounds=CostBounds.from_device(
-            info.kv_bytes_per_token, info.weight_bytes,
-            info.memory_bandwidth))
+            info.kv_bytes_per_token, info.weight_bytes, info.memory_bandwidth, collective))
         self.policy = DraftPolicy(cfg.spec, self.cost_model, cfg.cache.page_size,
                                   info.num_layers, info.query_tile_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.max_model_len, self.blocks, self.policy,

@@ -256,13 +256,26 @@ class RayExecutor(Executor):
             host, port = _get_all([self.actors[0].rendezvous.remote()], timeout_s)[0]
             infos = _get_all([a.start.remote(host, port, self.step_timeout_s)
                               for a in self.actors], timeout_s)
-        return self._equalize_pages(infos, timeout_s)
+        return self._with_all_reduce_cost(self._equalize_pages(infos, timeout_s), timeout_s)
 
     def _equalize_pages(self, infos: list[ShardInfo], timeout_s: float) -> ShardInfo:
         # page ids are global: every rank holds the smallest rank's page count
         num_pages = min(i.num_pages for i in infos)
         _get_all([a.resize_kv.remote(num_pages) for a in self.actors], timeout_s)
         return replace(infos[0], num_pages=num_pages)
+
+    def _with_all_reduce_cost(self, info: ShardInfo, timeout_s: float) -> ShardInfo:
+        """info with the TP group's all-reduce cost, timed on every rank at once (it is a
+        collective) for the model's hidden size and dtype; every rank measures the same."""
+        costs = self.measure_all_reduce(timeout_s)
+        return replace(info, all_reduce_latency=costs[0].latency,
+                       all_reduce_per_token=costs[0].per_token)
+
+    def measure_all_reduce(self, timeout_s: float | None = None) -> list:
+        """Each rank's ``tp.collective_cost.AllReduceCost`` (rank order), measured now."""
+        with _worker_errors():
+            return _get_all([a.measure_all_reduce.remote() for a in self.actors],
+                            timeout_s or self.step_timeout_s)
 
     def reconfigure(self, cfg: EngineConfig) -> None:
         """Rebuild every rank's Worker for a new config (same tp_size and device), keeping the
@@ -277,7 +290,9 @@ class RayExecutor(Executor):
         with _worker_errors():
             infos = _get_all([a.rebuild.remote(cfg) for a in self.actors], self.step_timeout_s)
         self.cfg = cfg
-        self._info = self._equalize_pages(infos, self.step_timeout_s)
+        # another model may have another hidden size or dtype: its all-reduces are re-timed
+        self._info = self._with_all_reduce_cost(self._equalize_pages(infos, self.step_timeout_s),
+                                                self.step_timeout_s)
 
     def _make_transport(self, name: str):
         if name == "plain" or (name == "auto" and not self.cfg.device.startswith("cuda")):

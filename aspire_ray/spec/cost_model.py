@@ -8,15 +8,17 @@ kv_tokens counts KV *bytes* read in units of one token's K and V over all layers
 
 What keeps the model honest (DESIGN.md §1.5, "learned the hard way"):
 - every coefficient is bounded below by what the hardware allows (``CostBounds``: KV bytes
-  per token and weight bytes over the bandwidth measured at start-up), so a noisy fit cannot
-  make the KV term free (b_kv = 0 once made c ~ 1 and froze every request at gamma 0);
+  per token and weight bytes over the bandwidth measured at start-up, and under tensor
+  parallelism the all-reduces measured on the TP group, ``CollectiveCost``), so a noisy fit
+  cannot make the KV term free (b_kv = 0 once made c ~ 1 and froze every request at gamma 0);
 - a fit that cannot identify the three terms (too few distinct step shapes, an ill-conditioned
   design) or explains the data poorly (r² < ``min_r2``) keeps the prior's slopes and refits
   only the per-step term on the recent samples (an "offset" fit: a serving batch repeats one
   step shape, whose overhead is all it can tell), and where even that predicts a step of no
   cost, falls back to the prior itself;
 - the prior is the start-up calibration of this deployment when there is one, else the
-  physical prior (``CostBounds.physical_prior``: KV at the measured bandwidth), else ``PRIOR``;
+  physical prior (``CostBounds.physical_prior``: KV at the measured bandwidth), else ``PRIOR``
+  (plus the collectives under tensor parallelism);
 - the prediction error on measured steps is tracked by step kind (``PredictionErrors``).
 """
 
@@ -67,25 +69,55 @@ MAX_CONDITION = 1e3
 
 
 @dataclass(frozen=True)
+class CollectiveCost:
+    """What one forward's tensor-parallel collectives cost (seconds), from the all-reduce
+    measured on the TP group at start-up (``tp.collective_cost``). Every layer all-reduces its
+    [n_tokens, hidden] output twice (attention, MLP) and the vocab-parallel embedding once:
+    2L + 1 calls whose bytes grow with n_tokens. The LM head's all-gather adds one call's
+    latency; its bytes follow the logit rows, not n_tokens, and are left out, as is the refresh
+    layer's page-score all-reduce (only some steps score): a bound must not exceed the truth.
+    Zero at TP=1."""
+
+    per_step: float = 0.0  # seconds per forward: the calls' latency
+    per_token: float = 0.0  # seconds per query token: its activations in every all-reduce
+
+    @classmethod
+    def from_all_reduce(cls, num_layers: int, latency: float, per_token: float) -> CollectiveCost:
+        """One all-reduce of [n, hidden] taking latency + per_token * n seconds."""
+        calls = 2 * num_layers + 1
+        return cls(per_step=(calls + 1) * latency, per_token=calls * per_token)
+
+    def added_to(self, coef: CostCoefficients) -> CostCoefficients:
+        return CostCoefficients(coef.b_model + self.per_step, coef.b_tok + self.per_token,
+                                coef.b_kv, coef.r2, coef.samples)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class CostBounds:
     """Lower bounds on the coefficients (seconds), from start-up measurements."""
 
     b_model: float = 0.0
     b_tok: float = 0.0
     b_kv: float = 0.0
+    collective: CollectiveCost = CollectiveCost()  # included in b_model and b_tok
 
     @classmethod
     def from_device(
-        cls, kv_bytes_per_token: float | None, weight_bytes: float | None, bandwidth: float | None
+        cls, kv_bytes_per_token: float | None, weight_bytes: float | None,
+        bandwidth: float | None, collective: CollectiveCost | None = None,
     ) -> CostBounds:
         """b_kv >= KV bytes per token / bandwidth, b_model >= weight bytes / bandwidth (the
-        bytes of one shard over its bandwidth, bytes/s), both times ``BOUND_FRACTION``;
-        no bounds where the worker measured no bandwidth (CPU)."""
-        if not bandwidth or bandwidth <= 0:
-            return cls()
+        bytes of one shard over its bandwidth, bytes/s) + the collectives' latency, b_tok >=
+        the collectives' per-token time, all times ``BOUND_FRACTION``; where the worker
+        measured no bandwidth (CPU), the collectives alone."""
+        coll = collective or CollectiveCost()
+        weights = (weight_bytes or 0.0) / bandwidth if bandwidth and bandwidth > 0 else 0.0
+        kv = (kv_bytes_per_token or 0.0) / bandwidth if bandwidth and bandwidth > 0 else 0.0
         return cls(
-            b_model=BOUND_FRACTION * (weight_bytes or 0.0) / bandwidth,
-            b_kv=BOUND_FRACTION * (kv_bytes_per_token or 0.0) / bandwidth,
+            b_model=BOUND_FRACTION * (weights + coll.per_step),
+            b_tok=BOUND_FRACTION * coll.per_token,
+            b_kv=BOUND_FRACTION * kv,
+            collective=coll,
         )
 
     def clamp(self, coef: CostCoefficients) -> CostCoefficients:
@@ -101,13 +133,19 @@ class CostBounds:
         return np.array([self.b_model, self.b_tok, self.b_kv])
 
     def physical_prior(self) -> CostCoefficients | None:
-        """What the bandwidth alone says a step costs: the weights read once per step, KV at
-        ``KV_READ_FACTOR`` x its floor, query tokens free (a memory-bound batch). None where
-        nothing was measured. Its per-step term is only a start: the offset fit replaces it."""
+        """What the measurements alone say a step costs: the weights read once per step and
+        the collectives' latency, KV at ``KV_READ_FACTOR`` x its floor, query tokens only
+        their collectives (a memory-bound batch). None where no bandwidth was measured. Its
+        per-step term is only a start: the offset fit replaces it."""
         if self.b_kv <= 0:
             return None
-        return CostCoefficients(self.b_model / BOUND_FRACTION, 0.0,
+        return CostCoefficients(self.b_model / BOUND_FRACTION, self.b_tok / BOUND_FRACTION,
                                 KV_READ_FACTOR * self.b_kv / BOUND_FRACTION)
+
+    def default_prior(self) -> CostCoefficients:
+        """The prior without a calibration: the physical prior, else ``PRIOR`` plus the
+        collectives (a TP step pays them on top of what one device does)."""
+        return self.physical_prior() or self.collective.added_to(PRIOR)
 
 
 @dataclass(frozen=True)
@@ -211,7 +249,7 @@ class CostModel:
         self.min_shapes = min_shapes
         self.offset_window = offset_window
         if prior is None:
-            prior = self.bounds.physical_prior() or PRIOR
+            prior = self.bounds.default_prior()
         self.prior = self.bounds.clamp(prior)
         self.coef = self.prior
         # "fit" (all three terms), "offset: <why not all three>" (the prior's slopes, the
@@ -333,7 +371,8 @@ class CostModel:
 
     def summary(self) -> dict:
         """For engine stats: the coefficients in force, where they come from, the bounds, the
-        prior and the prediction error by step kind."""
+        prior, the collective term (TP > 1; zero at TP=1) and the prediction error by step
+        kind."""
         c, p, lb = self.coef, self.prior, self.bounds
         return {
             "b_model": c.b_model,
@@ -345,6 +384,8 @@ class CostModel:
             "fallbacks": self.fallbacks,
             "prior": {"b_model": p.b_model, "b_tok": p.b_tok, "b_kv": p.b_kv, "r2": p.r2},
             "bounds": {"b_model": lb.b_model, "b_tok": lb.b_tok, "b_kv": lb.b_kv},
+            "collective": {"per_step": lb.collective.per_step,
+                           "per_token": lb.collective.per_token},
             "prediction_error": self.errors.summary(),
         }
 

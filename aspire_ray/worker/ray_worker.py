@@ -77,6 +77,15 @@ class ShardWorker:
                            for _ in range(w.arch.num_layers)]
         return w.num_pages
 
+    def measure_all_reduce(self):
+        """The TP group's all-reduce cost for this model's activations (a collective: every
+        rank at once); ``tp.collective_cost.AllReduceCost``."""
+        from aspire_ray.tp.collective_cost import measure_all_reduce
+        from aspire_ray.worker.model_loading import DTYPES
+
+        w = self.worker
+        return measure_all_reduce(w.tp, w.arch.hidden_size, DTYPES[w.cfg.dtype], self.device)
+
     def execute(self, plan: StepPlan) -> StepOutput | None:
         """Run the step; only rank 0's output goes back (every rank computes the same tokens)."""
         out = self.worker.execute(plan)
