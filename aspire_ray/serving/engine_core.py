@@ -10,9 +10,12 @@ prompts returns kilobytes, not megabytes, to pickle and unpickle.
 ``EngineCore`` runs it in-process; ``ActorCore`` runs the same class as a Ray actor (the
 driver), so that the engine's Python work and, at tp = 1, the GPU forward leave the replica's
 GIL to HTTP and streaming (issue 16; vLLM v1's EngineCore / AsyncLLM split is the model). The
-replica keeps ``pipeline_depth`` step calls in flight: with a driver actor, two, so that the
-next step is already queued in the driver when a step ends (it never waits for the replica to
-unpickle and deliver the last one's outputs and to call again).
+driver steps in a loop of its own (``_Driver``): step t + 1 starts as soon as step t ends,
+with whatever inputs have arrived by then, and step t's outputs wait in an outbox for the
+replica's next call, which takes every step's outputs since its last. The replica's call is
+an exchange of channels (its inputs in, the outbox out), never a trigger of a step: the driver
+does not wait for the replica to unpickle and deliver outputs, nor for a Ray actor call to be
+dispatched, between two steps.
 
 The driver actor is created by the replica and owned by it: when the replica dies, Ray ends
 the driver (and the driver's shard workers) with it. When the driver dies, the next ``step``
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,10 +73,12 @@ class EngineCore:
     def __init__(self, engine_or_cfg: Any, cpu_threads: int | None = None) -> None:
         from aspire_ray.engine.engine import LLMEngine
 
-        if cpu_threads is not None:  # the driver's torch threads (Ray's default pins one)
+        # the driver's torch threads (Ray's default pins one); OpenMP's count is per thread
+        self.cpu_threads = None if cpu_threads is None else cpu_threads or os.cpu_count() or 1
+        if self.cpu_threads is not None:
             import torch
 
-            torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
+            torch.set_num_threads(self.cpu_threads)
         if isinstance(engine_or_cfg, EngineConfig):
             engine_or_cfg = LLMEngine(engine_or_cfg)
         self.engine = engine_or_cfg
@@ -141,17 +147,107 @@ class DriverPlacementError(RuntimeError):
     """Ray did not place or start the driver actor in time (resources it can never get)."""
 
 
+def merge(steps: list[CoreStep]) -> CoreStep:
+    """Several steps' results as one, in step order: every output (a request may have several,
+    each cumulative), every rejection; busy, stats and error of the last."""
+    last = steps[-1]
+    return CoreStep([out for st in steps for out in st.outputs],
+                    {k: v for st in steps for k, v in st.rejected.items()},
+                    last.busy, last.stats, last.error)  # fmt: skip
+
+
 class _Driver(EngineCore):
     """The driver actor's class: its constructor does nothing, so that Ray placing and starting
     the actor (seconds) is waited for apart from ``start`` building the engine (loading a
-    model, converting a GGUF, a calibration sweep: minutes)."""
+    model, converting a GGUF, a calibration sweep: minutes).
+
+    ``start`` also starts the step loop, a thread that alone touches the engine: it takes the
+    inbox (inputs of every ``exchange`` since its last step), steps, and puts the result in
+    the outbox; it steps again at once while the engine has unfinished requests or inputs
+    wait, and sleeps otherwise. A failing step (an exception) or an unhealthy engine stops
+    the loop; the next ``exchange`` raises the exception or returns the error."""
 
     def __init__(self) -> None:  # the engine comes with start()
         pass
 
     def start(self, cfg: EngineConfig, cpu_threads: int | None) -> CoreFacts:
         super().__init__(cfg, cpu_threads)
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[list[NewRequest], list[str]]] = []  # guarded by _cv's lock
+        self._outbox: list[CoreStep] = []  # results not yet taken by an exchange
+        self._sent = 0  # inbox batches queued, ever
+        self._applied = 0  # inbox batches a finished step has applied
+        self._busy = False  # the engine had unfinished requests after the last step
+        self._failed: BaseException | None = None  # a step raised
+        self._ended = False  # the loop returned (a step raised, a worker died, shutdown)
+        self._stopped = False
+        self._last_stats = self.engine.stats()
+        self._loop = threading.Thread(target=self._run, name="aspire-driver", daemon=True)
+        self._loop.start()
         return self.facts()
+
+    def _run(self) -> None:
+        if self.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cpu_threads)
+        while True:
+            with self._cv:
+                while not (self._inbox or self._busy or self._stopped):
+                    self._cv.wait()
+                if self._stopped:
+                    self._ended = True
+                    return
+                inbox, self._inbox = self._inbox, []
+            adds = [new for batch, _ in inbox for new in batch]
+            aborts = [rid for _, batch in inbox for rid in batch]
+            try:
+                result = self.step(adds, aborts)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next exchange
+                with self._cv:
+                    self._failed, self._ended = exc, True
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._outbox.append(result)
+                self._applied += len(inbox)
+                self._busy = result.busy
+                self._last_stats = result.stats
+                self._ended = result.error is not None  # a worker died: no more steps
+                self._cv.notify_all()
+                if self._ended:
+                    return
+
+    def exchange(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
+        """Queue inputs for the loop's next step; return every step result since the last
+        exchange, merged, once there is at least one and the step that applied these inputs
+        is among them (an add's rejection is then known). With nothing to wait for (no
+        inputs, the engine idle, or the loop ended by an error) it returns what there is."""
+        with self._cv:
+            if adds or aborts:
+                self._inbox.append((adds, aborts))
+                self._sent += 1
+                self._cv.notify_all()
+            mine = self._sent
+            while not self._ended and (self._applied < mine or
+                                       (self._busy and not self._outbox)):
+                self._cv.wait()
+            if self._failed is not None and not self._outbox:
+                raise self._failed
+            steps, self._outbox = self._outbox, []
+        if not steps:
+            return CoreStep([], {}, False, self._last_stats, None)
+        return merge(steps)
+
+    def stats(self) -> dict:
+        return self._last_stats
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._loop.join(timeout=30)
+        super().shutdown()
 
 
 class ActorCore:
@@ -164,8 +260,8 @@ class ActorCore:
     resources it asks for, no node has them) fails the constructor with
     ``DriverPlacementError`` instead of waiting forever."""
 
-    # the next step waits in the driver's queue while the replica delivers the last one
-    pipeline_depth = 2
+    # one exchange in flight: the driver steps on by itself while the replica delivers
+    pipeline_depth = 1
 
     def __init__(self, cfg: EngineConfig, num_cpus: float = 0, num_gpus: float = 0,
                  bundle: int | None = None, cpu_threads: int | None = None,
@@ -220,9 +316,9 @@ class ActorCore:
         return self.collect(self.submit(adds, aborts))
 
     def submit(self, adds: list[NewRequest], aborts: list[str]) -> Any:
-        """Queue a step in the driver -> its ObjectRef (the driver runs one call at a time,
-        in the order a caller submitted them)."""
-        return self.actor.step.remote(adds, aborts)
+        """Hand inputs to the driver's loop -> the ObjectRef of its next results (``exchange``:
+        the driver runs one call at a time, in the order a caller submitted them)."""
+        return self.actor.exchange.remote(adds, aborts)
 
     def collect(self, handle: Any) -> CoreStep:
         return self._ray.get(handle)

@@ -151,6 +151,11 @@ class ServingMetrics:
         counter("aspire_engine_step_seconds_total",
                 "Worker seconds of the engine's steps (a step: one plan, its forwards).", base,
                 sum(stats.get("step_seconds", {}).values()))
+        timings = stats.get("timings", {})
+        counter("aspire_engine_step_wall_seconds_total",
+                "Wall seconds of the engine's steps: scheduling, the workers' step and the "
+                "commit of its tokens.", base,
+                sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")))
         counter("aspire_preemptions_total", "Requests preempted for lack of pages.", base,
                 stats.get("preemptions", 0))
         gauge("aspire_engine_healthy", "1 while the engine loop is alive.", base, int(healthy))

@@ -19,6 +19,7 @@ from aspire_ray.serving.engine_core import (
     DriverPlacementError,
     EngineCore,
     NewRequest,
+    _Driver,
 )
 from aspire_ray.serving.errors import EngineDeadError
 from aspire_ray.serving.settings import AppArgs
@@ -84,6 +85,36 @@ def test_a_prompt_crosses_the_channel_once(tiny_chat_model):
         assert not core._reported  # nothing kept for finished requests
     finally:
         core.shutdown()
+
+
+def test_the_driver_steps_on_without_being_called(tiny_chat_model):
+    """The driver's loop runs every step of a request after one exchange (none waits for the
+    replica to call again); the next exchange takes all of their outputs at once, and they
+    give the tokens of a core stepped call by call."""
+    cfg = build_engine_config(tiny_chat_model, **ENGINE_KW)
+    core = EngineCore(cfg)
+    try:
+        step = core.step([NewRequest("a", "Hello there", GREEDY)], [])
+        while step.busy:
+            step = core.step([], [])
+        want = step.outputs[-1].token_ids
+    finally:
+        core.shutdown()
+    driver = _Driver()
+    driver.start(cfg, None)
+    try:
+        first = driver.exchange([NewRequest("a", "Hello there", GREEDY),
+                                 NewRequest("bad", "x", SamplingParams(max_tokens=10**6))], [])
+        assert set(first.rejected) == {"bad"}  # known when the exchange returns
+        assert wait_until(lambda: driver.engine.requests == {}, timeout=60)
+        rest = driver.exchange([], [])  # every step since the first exchange, merged
+        outputs = first.outputs + rest.outputs
+        assert len(rest.outputs) > 1 and not rest.busy
+        assert outputs[-1].finished and outputs[-1].token_ids == want
+        assert outputs[0].prompt_token_ids and all(not o.prompt_token_ids for o in outputs[1:])
+        assert driver.exchange([], []).outputs == []  # idle: returns at once, empty
+    finally:
+        driver.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0,
 COUNTERS = ("aspire_http_requests_total", "aspire_requests_finished_total",
             "aspire_prompt_tokens_total", "aspire_generation_tokens_total",
             "aspire_engine_steps_total", "aspire_engine_step_seconds_total",
-            "aspire_preemptions_total",
+            "aspire_engine_step_wall_seconds_total", "aspire_preemptions_total",
             "aspire_spec_draft_tokens_verified_total", "aspire_spec_accepted_tokens_total",
             "aspire_spec_verifications_total")
 GAUGES = ("aspire_generation_tokens_per_second", "aspire_http_requests_in_flight",
@@ -93,6 +93,8 @@ def test_metrics_parse_and_count_a_request(tiny_chat_model):
     assert grew("aspire_requests_finished_total", finish_reason="length") == 1
     assert grew("aspire_prompt_tokens_total") == r.json()["usage"]["prompt_tokens"] > 0
     assert grew("aspire_engine_steps_total") >= 1 and grew("aspire_engine_step_seconds_total") > 0
+    # the engine's whole step holds its workers' part
+    assert grew("aspire_engine_step_wall_seconds_total") >= grew("aspire_engine_step_seconds_total")
     # the first scrape itself is counted too: responses are counted once they are sent
     assert _value(after, "aspire_http_requests_total", endpoint=C, status="200") == 1
     assert _value(after, "aspire_http_requests_total", endpoint="/metrics", status="200") == 1
