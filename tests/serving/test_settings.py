@@ -30,9 +30,16 @@ def test_shipped_configs_validate_and_bind(name):
     assert app is not None
     opts = args.deployment.options(args.engine)
     if name == "tp2":
+        from aspire_ray.tp.distributed import NCCL_ENV
+
         assert args.engine.tp_size == 2
         assert opts["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
         assert opts["placement_group_strategy"] == "STRICT_PACK"
+        # a real model whose 12 q / 2 kv heads split over 2 ranks (DESIGN.md §5), bf16 on CUDA
+        assert args.engine.model == "qwen2.5-coder-1.5b-instruct"
+        assert args.engine.load_format == "auto" and not args.engine.hf_overrides
+        assert (args.engine.dtype, args.engine.device) == ("bfloat16", "cuda")
+        assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == NCCL_ENV
     if name == "autoscale":
         auto = opts["autoscaling_config"]
         assert auto["min_replicas"] < auto["max_replicas"] and auto["target_ongoing_requests"]
