@@ -6,7 +6,10 @@ engine settings) started in-process on a loopback port, then ``--concurrency`` a
 stream ``POST /v1/completions`` over the same prompts. Per request: TTFT (first content chunk),
 gaps between content chunks, completion tokens (from the stream's usage chunk). Reported:
 p50/p90/p99 of TTFT and of the gaps, overall tokens/s, and served tokens/s / offline tokens/s.
-Greedy, ``ignore_eos``: every request produces exactly ``--max-tokens`` tokens. The steady-decode
+Greedy, ``ignore_eos``: every request produces exactly ``--max-tokens`` tokens. Each path first
+decodes ``WARMUP`` of the prompts for a few tokens, untimed: a fresh process pays Triton's
+first-use compilation of the kernels its steps need, which a later one loads from the disk
+cache (the served engine starts after the offline one). The steady-decode
 window (``steady_decode``) runs from the last request's first chunk to the first request's
 last: raise ``--max-tokens`` to give it more engine steps (it reports how many it had).
 
@@ -70,6 +73,10 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return engine
 
 
+# untimed requests that each path decodes first (its kernels compiled, its graphs warm)
+WARMUP, WARMUP_TOKENS = 2, 8
+
+
 def text_prompts(llm: LLM, n: int, tokens: int) -> list[str]:
     """n text prompts of about ``tokens`` tokens (windows of the long-context document, decoded
     so that both paths tokenize the same text)."""
@@ -99,6 +106,8 @@ def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict
     with LLM(**offline_kwargs(engine)) as llm:
         prompts = text_prompts(llm, args.num_prompts, args.prompt_tokens)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        llm.generate(prompts[:WARMUP], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0,
+                                                      ignore_eos=True))  # fmt: skip
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t0
@@ -194,6 +203,8 @@ async def run_clients(url: str, prompts: list[str], args: argparse.Namespace) ->
                     marks.append((time.perf_counter(), await engine_counters(client, url)))
 
     async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(stream_one(client, url, p, WARMUP_TOKENS, [0], WARMUP,
+                                          asyncio.Event()) for p in prompts[:WARMUP]))
         steady = args.concurrency >= len(prompts)
         t0 = time.perf_counter()
         clients = asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))

@@ -88,17 +88,17 @@ def _run(tmp_path, *extra, timeout):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_every_mode_on_cpu(tmp_path):
-    stdout, report = _run(tmp_path, "--dummy-shapes", "tiny-qwen3", "--batches", "2,3",
+    stdout, report = _run(tmp_path, "--dummy-shapes", "tiny-qwen3", "--batches", "3",
                           timeout=490)  # fmt: skip
     runs = report["results"]
     assert {(r["mode"], r["tp"], r["batch"]) for r in runs} == \
-        {(m, tp, b) for m in SPEC_MODES for tp in (1, 2) for b in (2, 3)}  # fmt: skip
+        {(m, tp, 3) for m in SPEC_MODES for tp in (1, 2)}  # fmt: skip
     for r in runs:
         assert r["tokens_per_s"] > 0 and r["steps_by_kind"] and "token_ids" not in r
         assert 0 <= r["orchestration_fraction"] < 1
         assert r["step_ms_by_kind"].keys() == r["steps_by_kind"].keys()
         assert r["tp"] == 1 or r["orchestration_fraction"] > 0  # a Ray round trip
-    assert len(report["comparisons"]) == len(SPEC_MODES) * 2
+    assert len(report["comparisons"]) == len(SPEC_MODES)
     for c in report["comparisons"]:
         # fp32 on gloo: TP=2 computes TP=1's function, so greedy output is the same
         assert c["greedy_match_rate"] == 1.0 and c["identical_requests"] == 1.0, c
