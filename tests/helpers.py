@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import random
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@contextmanager
+def scripts_imported(*names: str):
+    """The scripts/ modules ``names`` imported as scripts run them (from scripts/, so that
+    they import their siblings), scripts/ on sys.path only meanwhile; yields the modules."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))
+        yield [importlib.import_module(n) for n in names]
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

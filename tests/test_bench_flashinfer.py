@@ -9,23 +9,19 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import SCRIPTS, scripts_imported
 
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.worker.rejection_sampler import verify_sampled_batch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
 
 @pytest.fixture(scope="module")
 def bf():
-    # the script imports its sibling bench_kernels, as scripts run from scripts/ do
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        yield importlib.import_module("bench_flashinfer")
+    with scripts_imported("bench_flashinfer") as (module,):
+        yield module
 
 
 def _rows(bf, specs, page_size=16, seed=0):

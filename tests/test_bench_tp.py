@@ -4,24 +4,20 @@ failing run kept as an error."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import SCRIPTS, scripts_imported
 
 from aspire_ray.config import SPEC_MODES
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bt():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        yield importlib.import_module("bench_tp")
+    with scripts_imported("bench_tp") as (module,):
+        yield module
 
 
 def _rec(tp, mode="ar", batch=16, tps=100.0, steps=None, tokens=None, **extra):

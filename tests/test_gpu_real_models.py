@@ -9,13 +9,12 @@ them in /tmp/models). Otherwise skipped, never faked.
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import scripts_imported
 
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SPEC_MODES
@@ -41,12 +40,6 @@ def _model_path(alias: str, filename: str) -> str:
         pytest.skip(f"{alias}: {e}")
 
 
-def _workloads():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        return importlib.import_module("workloads")
-    finally:
-        sys.path.pop(0)
 
 
 @pytest.mark.parametrize("alias,filename,context", MODELS, ids=[m[0] for m in MODELS])
@@ -58,7 +51,8 @@ def test_deterministic_bf16_every_mode_is_ar_on_real_models(alias, filename, con
         with LLM(model=path, device="cuda", dtype="bfloat16", spec_mode=mode, deterministic=True,
                  max_num_seqs=64) as llm:  # fmt: skip
             if prompts is None:
-                prompts = _workloads().long_context_prompts(llm.tokenizer, 64, context)
+                with scripts_imported("workloads") as (workloads,):
+                    prompts = workloads.long_context_prompts(llm.tokenizer, 64, context)
             outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     for mode in SPEC_MODES[1:]:
         parted = sum(a != b for a, b in zip(outputs[mode], outputs["ar"], strict=True))

@@ -9,7 +9,6 @@ accepted length; the simulation is deterministic; the cost inputs load from ever
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import scripts_imported
 
 from aspire_ray import LLM, SamplingParams
 
@@ -30,9 +30,9 @@ SPEC = dict(k_min=9, recent_pages=3)  # 13-17 pages of context: drafts see 9 of 
 
 @pytest.fixture(scope="module")
 def mods():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        yield {n: importlib.import_module(n) for n in ("traces", "simulate", "bench_decode")}
+    names = ("traces", "simulate", "bench_decode")
+    with scripts_imported(*names) as modules:
+        yield dict(zip(names, modules, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,12 @@ deterministic given a seed. And bench_decode's --record-traces on the CPU."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import needs_smollm2
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from helpers import SCRIPTS, needs_smollm2, scripts_imported
 
 
 class CharTokenizer:
@@ -25,9 +21,8 @@ class CharTokenizer:
 
 @pytest.fixture(scope="module")
 def wl():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        yield importlib.import_module("workloads")
+    with scripts_imported("workloads") as (module,):
+        yield module
 
 
 def test_mix_is_deterministic_and_in_range(wl):
