@@ -323,9 +323,13 @@ class EngineConfig:
     # of this deployment or runs a short sweep (spec mode "aspire" only: the one that reads the
     # cost model); "force" always sweeps; "off" keeps the prior until the online refits.
     calibrate: str = "auto"
-    # CUDA graphs (cuda, tp 1, triton backend): one graph per decode step, piecewise graphs of
-    # the dense layers for steps with prefill rows; False: eager.
+    # CUDA graphs (cuda, triton backend; tp > 1: tp_cuda_graphs): one graph per decode step,
+    # piecewise graphs of the dense layers for steps with prefill rows; False: eager.
     cuda_graphs: bool = True
+    # With cuda_graphs at tp > 1: every shard captures the same graphs, their all-reduces,
+    # all-gathers and the refresh layer's cross-rank max (NCCL) inside (issue 17). Off until
+    # timed on two GPUs (scripts/bench_tp.py); off, shards run each step eagerly.
+    tp_cuda_graphs: bool = False
     # With cuda_graphs and draft chains: each draft step of a chain is one graph that plans its
     # own page lists and work on the device (worker/draft_graphs.py); False: the host plans
     # each step and the scored policies' refresh layer runs eagerly between two graphs.

@@ -74,6 +74,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
     # every row's logits independent of its step (EngineConfig.deterministic, issue 18)
     "det": {"deterministic": True},
+    # tp > 1: the shards replay CUDA graphs with the collectives inside (issue 17)
+    "tpgraphs": {"tp_cuda_graphs": True},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

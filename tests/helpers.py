@@ -119,12 +119,18 @@ def use_eager_graphs(engine: LLMEngine, draft_graphs: bool = True, graph_tokens:
     draft_graphs: the self-planning graphs (chains, rounds, asynchronous runs) too, else
     their steps are planned on the host; deterministic: the deterministic mode's attention
     (its chunk chunk_pages). -> the worker."""
+    return eager_graphs_on(engine.executor.worker, draft_graphs, graph_tokens, chunk_pages,
+                           deterministic)  # fmt: skip
+
+
+def eager_graphs_on(w, draft_graphs: bool = True, graph_tokens: int = 32, chunk_pages: int = 8,
+                    deterministic: bool = False):
+    """``use_eager_graphs`` on a Worker itself (a shard of a tensor-parallel group, say)."""
     from aspire_ray.attention.triton_backend import TritonBackend
     from aspire_ray.kernels.paged_attention import AttentionConfig
     from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs
     from aspire_ray.worker.step_graphs import StepGraphs
 
-    w = engine.executor.worker
     w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages),
                               deterministic=deterministic, kv_chunk_pages=chunk_pages)
     w.step_resources = replace(w.step_resources, backend=w.backend)  # planning's backend too

@@ -145,6 +145,7 @@ class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArch, tp: TPGroup) -> None:
         super().__init__()
         self.arch = arch
+        self.tp = tp  # the shard's group: the refresh layer's page scores take a max over it
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -51,6 +51,9 @@ class EngineArgs(BaseModel):
     # Every row's logits independent of its step, so that bf16 greedy output of every mode is
     # `ar`'s (EngineConfig.deterministic, issue 18). None: the engine's default (off).
     deterministic: bool | None = None
+    # tp_size > 1 on GPUs: every shard replays CUDA graphs with the collectives inside
+    # (EngineConfig.tp_cuda_graphs, issue 17). None: the engine's default (off).
+    tp_cuda_graphs: bool | None = None
     # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
     spec_options: dict[str, Any] = Field(default_factory=dict)
 

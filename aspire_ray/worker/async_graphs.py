@@ -191,7 +191,8 @@ class AsyncStepGraphs:
             rescore_first_last(p.backend, p.q[:t], lse, kv_caches[lr], scale, table,
                                self.scores, first_q, last_q, inputs[1][first_q] + 1, end,
                                live_rows, slot, row_slot, self._pool_pages,
-                               single=~verify_rows, fused=self.fused_rows)  # fmt: skip
+                               single=~verify_rows, fused=self.fused_rows,
+                               tp=p.model.tp)  # fmt: skip
             post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live_rows), last,
                                ps, fixed_plan=plan)  # fmt: skip
             flags.bitwise_or_(live * _SCORED)

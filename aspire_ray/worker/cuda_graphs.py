@@ -36,9 +36,9 @@ from .step_attention import StepAttention
 class _CudaGraph:
     """One captured piece: capture(fn) records fn's kernels; replay() reruns them."""
 
-    def __init__(self, pool, stream: torch.cuda.Stream) -> None:
+    def __init__(self, pool, stream: torch.cuda.Stream, mode: str = "global") -> None:
         self.graph = torch.cuda.CUDAGraph()
-        self.pool, self.stream = pool, stream
+        self.pool, self.stream, self.mode = pool, stream, mode
 
     def capture(self, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         # capture_begin/end rather than torch.cuda.graph(): that one also runs gc.collect()
@@ -49,7 +49,7 @@ class _CudaGraph:
         gc.disable()
         try:
             with torch.cuda.stream(self.stream):
-                self.graph.capture_begin(pool=self.pool)
+                self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
                 try:
                     out = fn()
                 finally:
@@ -109,7 +109,11 @@ class PiecewiseGraphs:
         self._stream = None  # captures (and their warm-up runs) go on this side stream
         if graph_factory is None:
             pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-            graph_factory = lambda: _CudaGraph(pool, self._stream)
+            # tensor parallel: other threads of the shard's process (the process group's
+            # watchdog) may call CUDA while a capture runs, and a global-mode capture fails on
+            # their unsafe calls; thread-local capture confines the check to this thread
+            mode = "thread_local" if model.tp.size > 1 else "global"
+            graph_factory = lambda: _CudaGraph(pool, self._stream, mode)
         self._new_graph = graph_factory
 
     def bucket(self, num_tokens: int) -> int | None:

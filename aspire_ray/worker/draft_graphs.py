@@ -254,7 +254,8 @@ class DraftStepGraphs:
         end, row_slot = rows[2], rows[4]
         rescore_first_last(self.pieces.backend, q, lse, kv_cache, scale, self.page_table.table,
                            self.scores, None, None, end, end, live, slot, row_slot,
-                           self._pool_pages, fused=self.fused_rows)  # fmt: skip
+                           self._pool_pages, fused=self.fused_rows,
+                           tp=self.pieces.model.tp)  # fmt: skip
 
     # ---- one chain -----------------------------------------------------------------------------
     def _load(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],

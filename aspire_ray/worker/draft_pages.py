@@ -15,8 +15,10 @@ import torch
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.kernels.reference import choose_top_pages_ref
 from aspire_ray.model.rotary import fused_ops
+from aspire_ray.tp import TPGroup
 
 from .page_table import PageTable, list_capacity
+from .step_attention import all_head_page_scores
 from .step_rows import score_lists, store_row_scores
 
 
@@ -103,7 +105,8 @@ def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
                        first: torch.Tensor | None, last: torch.Tensor | None,
                        seen_first: torch.Tensor, seen_last: torch.Tensor, live: torch.Tensor,
                        slot: torch.Tensor, row_slot: torch.Tensor, pool_pages: int,
-                       single: torch.Tensor | None = None, fused: bool = True) -> None:  # fmt: skip
+                       single: torch.Tensor | None = None, fused: bool = True,
+                       tp: TPGroup | None = None) -> None:  # fmt: skip
     """Rows' page scores from their first and last query, averaged as
     ``PageScoreTable.store`` averages them, into the rows' slots of the score table (padding
     rows: its scratch row); planned on the device (CUDA graphs). q [T, Hq, D], lse [T, Hq]:
@@ -112,7 +115,8 @@ def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
     table: int32 [slots, W] the page table; live: bool [n]; slot, row_slot: int64 [n];
     single: bool [n], rows of one query (scored from it alone, their second query listing no
     page: draft rows read the KV once). fused: the lists and the score rows in one launch each
-    where the device runs Triton (``step_rows``), else the reference's tensor ops."""
+    where the device runs Triton (``step_rows``), else the reference's tensor ops. tp: the
+    shard's group (None: one rank); ranks take the max over every rank's heads."""
     from aspire_ray.kernels.page_scores import work_tokens  # imports triton
 
     n, ps = live.shape[0], kv_cache.shape[2]
@@ -123,7 +127,7 @@ def rescore_first_last(backend, q: torch.Tensor, lse: torch.Tensor, kv_cache: to
                         cap, per_item, items, fused)  # fmt: skip
     meta = PagedKVMeta(lists["qo"], lists["indptr"], lists["indices"], lists["last"], ps)
     which = lists["which"]
-    page_scores = backend.page_scores(q[which], lse[which].contiguous(), kv_cache, meta, scale,
-                                      work=(lists["work"], lists["count"]))  # fmt: skip
+    page_scores = all_head_page_scores(backend, tp, q[which], lse[which].contiguous(), kv_cache,
+                                       meta, scale, (lists["work"], lists["count"]))
     store_row_scores(page_scores, lists["indptr"], lists["pages"], live,
                      True if first is None else single, slot, scores.scores, fused)  # fmt: skip

@@ -96,6 +96,10 @@ class ShardWorker:
         return {rid: None if r.scores is None else r.scores.tolist()
                 for rid, r in self.worker.requests.items()}
 
+    def graph_steps(self) -> dict[str, int]:
+        """Debug: forwards this rank replayed as whole-step graphs (``Worker.graph_steps``)."""
+        return self.worker.graph_steps()
+
     def ping(self) -> int:
         return self.rank
 

@@ -72,10 +72,23 @@ class StepAttention:
             return self.backend.attention(q, kv_cache, self.meta_refresh, scale)
         out, lse = self.backend.attention(q, kv_cache, self.meta_refresh, scale, return_lse=True)
         idx, meta = self.scoring.token_index, self.scoring.meta
-        if self.tp.size == 1:  # summed per page in the kernel, as the CUDA graphs do
-            page_scores = self.backend.page_scores(q[idx], lse[idx], kv_cache, meta, scale)
-        else:  # the max over ALL query heads first: this rank holds only its own heads
-            token_probs = self.backend.token_max_probs(q[idx], lse[idx], kv_cache, meta, scale)
-            page_scores = self.tp.all_reduce_max(token_probs).sum(dim=-1)  # [nnz_pages]
-        self.meta_post = self.on_scores(page_scores)
+        self.meta_post = self.on_scores(
+            all_head_page_scores(self.backend, self.tp, q[idx], lse[idx], kv_cache, meta, scale))
         return out
+
+
+def all_head_page_scores(backend: AttentionBackend, tp: TPGroup | None, q: torch.Tensor,
+                         lse: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta,
+                         scale: float, work: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ) -> torch.Tensor:  # fmt: skip
+    """Each listed page's score, the max over ALL query heads of each token's attention
+    probability summed over the page (DESIGN.md §1.2): float32 [nnz_pages]. q [R, Hq_local, D],
+    lse [R, Hq_local]: this rank's heads. One rank (tp None or of size 1): summed per page in
+    the kernel. Several: each token's max over this rank's heads, the max over ranks (every
+    rank then holds the same bits, so every rank picks the same pages), then the sum. work: a
+    device-planned work list (the CUDA graphs); capturable, the all-reduce included."""
+    extra = {} if work is None else {"work": work}
+    if tp is None or tp.size == 1:
+        return backend.page_scores(q, lse, kv_cache, meta, scale, **extra)
+    token_probs = backend.token_max_probs(q, lse, kv_cache, meta, scale, **extra)  # [nnz, ps]
+    return tp.all_reduce_max(token_probs).sum(dim=-1)

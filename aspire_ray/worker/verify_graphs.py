@@ -136,4 +136,4 @@ class VerifyGraphs:
         rescore_first_last(self.pieces.backend, self.pieces.q, lse, kv_cache, scale,
                            d.page_table.table, d.scores, first, first + q - 1, start_pos + 1,
                            start_pos + q, live, slot, row_slot, d._pool_pages,
-                           fused=d.fused_rows)  # fmt: skip
+                           fused=d.fused_rows, tp=self.pieces.model.tp)  # fmt: skip

@@ -112,10 +112,14 @@ class Worker:
 
     # ---- setup -------------------------------------------------------------------------------
     def _graphs(self) -> PiecewiseGraphs | None:
-        """CUDA graphs on a single GPU with the Triton backend (its KV store skips the padding
-        slots; tensor parallelism would need collectives inside the graphs)."""
+        """CUDA graphs on a GPU with the Triton backend (its KV store skips the padding slots).
+        At tp > 1 (``tp_cuda_graphs``) the collectives are captured inside: every rank makes
+        the same choices from the same plans, so every rank captures and replays the same
+        graphs in the same order, as NCCL requires of captured collectives."""
         if not (self.cfg.cuda_graphs and self.device.type == "cuda"
-                and self.tp.size == 1 and self.backend.name == "triton"):  # fmt: skip
+                and self.backend.name == "triton"):  # fmt: skip
+            return None
+        if self.tp.size > 1 and not self.cfg.tp_cuda_graphs:
             return None
         max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
         return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device)
@@ -205,6 +209,14 @@ class Worker:
     @property
     def num_pages(self) -> int:
         return self.kv_caches[0].shape[0]
+
+    def graph_steps(self) -> dict[str, int]:
+        """Forwards replayed whole as one graph so far, by graph family (tests, benchmarks:
+        whether steps ran on the graphs); empty without graphs."""
+        families = {"step": self.step_graphs, "chain": self.draft_graphs,
+                    "verify": self.draft_graphs and self.draft_graphs.verify,
+                    "async": self.async_graphs}  # fmt: skip
+        return {name: g.steps for name, g in families.items() if g is not None}
 
     def describe(self) -> ShardInfo:
         """What the driver needs to know about this shard."""
@@ -443,6 +455,9 @@ class Worker:
         spec, ps = self.cfg.spec, self.page_size
         if self.graphs is not None:
             gc.collect()  # earlier engines' graphs go now, not during a capture
+            if self.tp.size > 1:  # NCCL sets up its communicator on first use: not in a capture
+                self.tp.all_reduce(torch.zeros(1, device=self.device))
+                torch.cuda.synchronize(self.device)
             try:
                 self.graphs.capture_all(self.kv_caches)
                 self.step_graphs.capture_all(self.kv_caches)
@@ -452,6 +467,8 @@ class Worker:
                     self.async_graphs.capture_all(self.cfg.scheduler.max_num_seqs,
                                                   self.kv_caches)  # fmt: skip
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
+                if self.tp.size > 1:  # the other ranks captured: running eagerly here would
+                    raise  # pair this rank's collectives with their graphs' ones
                 logger.warning("CUDA graph capture failed, running eagerly: %s", e, exc_info=True)
                 self.graphs = self.step_graphs = self.draft_graphs = self.async_graphs = None
         max_d = self.max_q - 1

@@ -116,3 +116,11 @@ def test_cli_serve_merges_config_and_flags():
     assert parsed.engine.spec_mode == "ar" and parsed.engine.model == "smollm2-135m-instruct"
     assert parsed.server.api_key == "k"
     assert http == {"host": "127.0.0.1", "port": 9001}
+
+
+def test_engine_switches_reach_the_engine_config():
+    # off unless asked: the graphs at tp > 1 wait for their two-GPU measurement (issue 17)
+    assert AppArgs.model_validate({}).engine.to_engine_config().tp_cuda_graphs is False
+    on = AppArgs.model_validate({"engine": {"tp_cuda_graphs": True, "deterministic": True}})
+    cfg = on.engine.to_engine_config()
+    assert cfg.tp_cuda_graphs and cfg.deterministic
