@@ -177,6 +177,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     each = params if isinstance(params, list) else [params] * len(prompts)
     ids, finished = prefill_batch(engine, prompts, each, desc)
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
+    graphs_before = _graph_counters(engine)
     committed_before = _committed(engine, finished)
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
@@ -189,17 +190,31 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         if elapsed is None and window == "steady" and len(finished) > done_before:
             elapsed = time.perf_counter() - t0
             committed, after = _committed(engine, finished), engine.stats()
+            graphs_after = _graph_counters(engine)
         if bar is not None:
             bar.n = _committed(engine, finished)
             bar.refresh()
     if elapsed is None:
         elapsed = time.perf_counter() - t0
         committed, after = _committed(engine, finished), engine.stats()
+        graphs_after = _graph_counters(engine)
     if bar is not None:
         bar.close()
     outs = [finished[r] for r in ids]
+    breakdown = _diff(after, before)
+    # in the window: forwards replayed as whole-step graphs by family, and plans whose next
+    # one started early on the device / was continued (Worker.graph_counters)
+    breakdown["graphs"] = {k: v - graphs_before.get(k, 0) for k, v in graphs_after.items()}
     return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
-            "breakdown": _diff(after, before)}
+            "breakdown": breakdown}
+
+
+def _graph_counters(engine) -> dict[str, int]:
+    """The in-process worker's ``graph_counters`` (tp 1), rank 0's at tp > 1."""
+    ex = engine.executor
+    if hasattr(ex, "worker"):
+        return ex.worker.graph_counters()
+    return ex.call_ranks("graph_counters")[0] if hasattr(ex, "call_ranks") else {}
 
 
 def _diff(after: dict, before: dict) -> dict:

@@ -55,9 +55,7 @@ def _shard(rank: int, cfg, plans, store_path: str, results) -> None:
         for plan in plans:
             outs.append(_tokens(w.execute(plan)))
             scores.append(w.scores.scores.clone())
-        graphs = w.async_graphs or w.draft_graphs
-        counters = {k: v for k, v in vars(graphs).items()
-                    if k.startswith(("runs_", "rounds_")) and isinstance(v, int)}
+        counters = w.graph_counters()
         # numpy, pickled by value: a tensor would cross as shared memory that this process
         # must keep alive until the parent has read it
         results.put((rank, outs, torch.stack(scores).numpy() if scores else None, counters))
@@ -103,5 +101,10 @@ def test_tp2_graphs_replay_tp1(tiny_model_dir, tmp_path, mode):
     assert outs1 == expected  # every rank samples the same tokens
     assert scores0 is not None and (scores0 == scores1).all()  # the same bits: the same pages
     assert abs(scores0).sum() > 0
-    # the plans ran on the self-planning graphs, the next one started early at least once
-    assert sum(counters.values()) > 0, counters
+    # the plans ran on the self-planning graphs and started the next one early; the
+    # asynchronous runs also continued such starts (these short staggered rounds drop theirs,
+    # at TP=1 too: new requests arrive between them)
+    if mode == "aspire":
+        assert counters["async"] > 0 and counters["runs_continued"] > 0, counters
+    else:
+        assert counters["chain"] > 0 and counters["rounds_started"] > 0, counters

@@ -96,9 +96,9 @@ class ShardWorker:
         return {rid: None if r.scores is None else r.scores.tolist()
                 for rid, r in self.worker.requests.items()}
 
-    def graph_steps(self) -> dict[str, int]:
-        """Debug: forwards this rank replayed as whole-step graphs (``Worker.graph_steps``)."""
-        return self.worker.graph_steps()
+    def graph_counters(self) -> dict[str, int]:
+        """Debug: this rank's graph replays and early starts (``Worker.graph_counters``)."""
+        return self.worker.graph_counters()
 
     def ping(self) -> int:
         return self.rank

@@ -210,13 +210,23 @@ class Worker:
     def num_pages(self) -> int:
         return self.kv_caches[0].shape[0]
 
-    def graph_steps(self) -> dict[str, int]:
-        """Forwards replayed whole as one graph so far, by graph family (tests, benchmarks:
-        whether steps ran on the graphs); empty without graphs."""
-        families = {"step": self.step_graphs, "chain": self.draft_graphs,
-                    "verify": self.draft_graphs and self.draft_graphs.verify,
-                    "async": self.async_graphs}  # fmt: skip
-        return {name: g.steps for name, g in families.items() if g is not None}
+    def graph_counters(self) -> dict[str, int]:
+        """Counts so far (tests, benchmarks): forwards replayed whole as one graph, by graph
+        family ("step", "chain", "verify", "async"), and the plans whose successor's first
+        steps started on the device before the host had their tokens ("*_started": async
+        runs, greedy rounds, decode chains) and of them those the next plan continued
+        ("*_continued"; the others were dropped and replayed: no overlap for that plan).
+        Empty without graphs."""
+        out = {}
+        d, a = self.draft_graphs, self.async_graphs
+        families = {"step": self.step_graphs, "chain": d, "verify": d and d.verify, "async": a}
+        out.update({name: g.steps for name, g in families.items() if g is not None})
+        if d is not None:
+            out.update(rounds_started=d.rounds_started, rounds_continued=d.rounds_continued,
+                       chains_started=d.chains_started, chains_continued=d.chains_continued)
+        if a is not None:
+            out.update(runs_started=a.runs_started, runs_continued=a.runs_continued)
+        return out
 
     def describe(self) -> ShardInfo:
         """What the driver needs to know about this shard."""
