@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# One OpenBLAS thread too (numpy's, which torch imports next: the variable is read when it
+# loads). Triton's interpreter runs every tl.dot as a numpy matmul, and a second BLAS thread
+# spins at each while another process holds the other core: tests/kernels/
+# test_paged_attention.py took 49 s beside one busy process, 43 s with one thread (44 s and
+# 43 s alone).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One intra-op thread: the tiny models' ops are too small to gain from a second one, and a
 # second OpenMP thread waits at every op's barrier while another process (a Ray actor, a

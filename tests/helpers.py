@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,6 +26,15 @@ def scripts_imported(*names: str):
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(SCRIPTS))
         yield [importlib.import_module(n) for n in names]
+
+
+def one_thread_env() -> dict[str, str]:
+    """The environment for a script that a test runs in a subprocess on a small model: one
+    intra-op thread, for conftest's reason (its ops are too small to gain from a second one,
+    and a second thread waits at every op's barrier while another process holds the other
+    core). On 2 cores beside two busy processes, bench_floor.py's CPU run took 101 s on two
+    threads and 8 s on one (5 s either way alone)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

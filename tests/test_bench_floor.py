@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_thread_env
 from transformers import AutoConfig
 
 from aspire_ray.config import SpecConfig
@@ -101,7 +102,7 @@ def test_script_runs_on_cpu(tmp_path):
            "float32", "--dummy-shapes", "tiny-qwen3", "--context", "200", "--batch", "2",
            "--modes", "ar,aspire_fixed/noround,aspire", "--steps", "6", "--warmup", "2",
            "--copy-mib", "8", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| ar | ar |" in proc.stdout and "not measured on the CPU" in proc.stdout
     report = json.loads(out.read_text())

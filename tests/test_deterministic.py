@@ -139,31 +139,40 @@ def test_serve_settings_carry_deterministic():
     assert EngineArgs().to_engine_config().deterministic is False
 
 
+def _deterministic_graphs_run(model_dir, spec_mode):
+    """``spec_mode`` on the deterministic mode's (emulated) graphs, 3 staggered requests."""
+    from helpers import use_eager_graphs
+
+    prompts = random_prompts(3, [8, 30, 50], vocab=256, seed=4)
+    params = [SamplingParams(max_tokens=7 + i, temperature=0.0, ignore_eos=True)
+              for i in range(3)]  # fmt: skip
+    cfg = build_engine_config(model_dir, spec_mode=spec_mode, max_num_batched_tokens=64,
+                              num_pages=120, max_num_seqs=4, page_size=4, calibrate="off",
+                              k_min=3, recent_pages=1, d_max=4, gamma=3, async_steps=4,
+                              attention_backend="triton", deterministic=True)
+    engine = LLMEngine(cfg)
+    w = use_eager_graphs(engine, chunk_pages=4, deterministic=True)
+    out = run_staggered(engine, prompts, params, arrive_every=2)
+    replayed = w.step_graphs.steps + (w.draft_graphs.steps if w.draft_graphs else 0) + \
+        (w.async_graphs.steps if w.async_graphs else 0)  # fmt: skip
+    assert w.backend.config.block_m_min == 64 and replayed > 5
+    return out
+
+
+@pytest.fixture(scope="module")
+def deterministic_graphs_ar(tiny_model_dir):
+    # `ar` on the deterministic graphs, every mode's reference below: the same run for each
+    # mode (a third of each case's time under the interpreter), so it runs once
+    pytest.importorskip("triton")
+    return _deterministic_graphs_run(tiny_model_dir("llama_3l"), "ar")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["magicdec", "aspire"])
-def test_deterministic_graphs_match_ar(tiny_model_dir, mode):
+def test_deterministic_graphs_match_ar(tiny_model_dir, deterministic_graphs_ar, mode):
     # the GPU's paths (self-planning graphs, fixed plans of one 64-row tile and fixed chunks)
     # under Triton's interpreter: they plan and replay with the deterministic attention (the
     # bitwise property itself is the GPU's: the interpreter's numpy rounds by tile position)
     pytest.importorskip("triton")
-    from helpers import use_eager_graphs
-
-    model_dir = tiny_model_dir("llama_3l")
-    prompts = random_prompts(3, [8, 30, 50], vocab=256, seed=4)
-    params = [SamplingParams(max_tokens=7 + i, temperature=0.0, ignore_eos=True)
-              for i in range(3)]  # fmt: skip
-
-    def run(spec_mode):
-        cfg = build_engine_config(model_dir, spec_mode=spec_mode, max_num_batched_tokens=64,
-                                  num_pages=120, max_num_seqs=4, page_size=4, calibrate="off",
-                                  k_min=3, recent_pages=1, d_max=4, gamma=3, async_steps=4,
-                                  attention_backend="triton", deterministic=True)
-        engine = LLMEngine(cfg)
-        w = use_eager_graphs(engine, chunk_pages=4, deterministic=True)
-        out = run_staggered(engine, prompts, params, arrive_every=2)
-        replayed = w.step_graphs.steps + (w.draft_graphs.steps if w.draft_graphs else 0) + \
-            (w.async_graphs.steps if w.async_graphs else 0)  # fmt: skip
-        assert w.backend.config.block_m_min == 64 and replayed > 5
-        return out
-
-    assert run(mode) == run("ar")
+    got = _deterministic_graphs_run(tiny_model_dir("llama_3l"), mode)
+    assert got == deterministic_graphs_ar

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import SCRIPTS, needs_smollm2, scripts_imported
+from helpers import SCRIPTS, needs_smollm2, one_thread_env, scripts_imported
 
 
 class CharTokenizer:
@@ -86,7 +86,7 @@ def test_bench_decode_records_traces(tmp_path):
            "float32", "--dummy-shapes", "tiny-qwen3", "--contexts", "200", "--batch", "2",
            "--max-tokens", "10", "--modes", "ar,aspire_fixed", "--gamma", "3",
            "--record-traces", str(path), "--out", str(tmp_path / "bench.json")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(path.read_text())
     assert data["format"] == "aspire-ray-traces/1" and set(data["modes"]) == {"ar", "aspire_fixed"}
@@ -113,7 +113,10 @@ def test_bench_decode_runs_the_mix(tmp_path):
            "float32", "--contexts", "mix", "--mix-contexts", "64,128", "--mix-max-tokens",
            "6,12", "--batch", "3", "--modes", "ar,aspire", "--window", "drain",
            "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390)
+    # one thread even for the 135M model: its steps here are batches of 3 short rows. Alone
+    # 2 s slower than on two threads; beside busy processes 15 s against two threads' 27 s
+    # (143 s in one suite run on a shared machine)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {"ar", "aspire"}

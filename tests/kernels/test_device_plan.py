@@ -2,6 +2,7 @@
 plans item for item, so the attention splits and merges in the same order; padding rows (no
 page) get no work. The fixed plan they load runs the attention as the host plan does."""
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -157,17 +158,25 @@ def test_fixed_plan_of_ragged_rows_runs_as_the_host_plan(cfg):
     assert torch.equal(lse[: q.shape[0]], lse_expected)
 
 
+@functools.cache
+def _wide_tiles_step(cfg: AttentionConfig) -> tuple:
+    """The mixed step of test_wide_tiles_... (q, kv, meta) and its output by the host plan,
+    once a config: the host plan never reads ``mixed_one_launch`` (only a fixed plan's wide
+    tiles do), so both launch layouts compare with the one output, computed once."""
+    q, kv, meta = paged_case([1, 4, 1, 2, 7], [700, 33, 260, 90, 120], (8, 2, 64),
+                             torch.float32, "cpu", PS, True, 6)  # fmt: skip
+    return q, kv, meta, paged_attention(q, kv, meta, 0.125, config=cfg)
+
+
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
 @pytest.mark.parametrize("cfg", CONFIGS[1:], ids=IDS[1:])
 def test_wide_tiles_put_every_verify_row_in_one_launch(cfg, one_launch):
     """A mixed step's verify rows in the widest tile's launch, and its draft rows with them
     (``mixed_one_launch``) or in their own; a step of draft rows only keeps their tile: the
     same output as the host plan's per-row tiles (fp32)."""
+    q, kv, meta, expected = _wide_tiles_step(cfg)
     cfg = replace(cfg, mixed_one_launch=one_launch)
     heads, n_q = (8, 2, 64), [1, 4, 1, 2, 7]
-    q, kv, meta = paged_case(n_q, [700, 33, 260, 90, 120], heads, torch.float32, "cpu", PS,
-                             True, 6)  # fmt: skip
-    expected = paged_attention(q, kv, meta, 0.125, config=cfg)
     plan = FixedPlan.for_rows(5, 16, 7, kv.shape[0], *heads, torch.device("cpu"), cfg,
                               wide_tiles=True)  # fmt: skip
     assert len(plan.plan.launches) == 2  # draft rows' tile and the widest

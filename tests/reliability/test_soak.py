@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_thread_env
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 # Generous against noise over 12 s; the 60 s run in docs/reliability.md grew 1.05%.
@@ -23,7 +24,7 @@ def test_soak_script_short_run(tiny_chat_model, tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--model", tiny_chat_model, "--model-name", "tiny",
            "--clients", "4", "--duration", "12", "--max-requests", "400", "--warmup", "4",
            "--num-pages", "64", "--seed", "1", "--json", str(report_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     outcomes = report["outcomes"]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_thread_env
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
 
@@ -23,7 +24,7 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
            "--dtype", "float32", "--spec-mode", "aspire", "--engine-options", json.dumps(engine),
            "--num-prompts", "4", "--prompt-tokens", "200", "--max-tokens", "8",
            "--concurrency", "4", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["offline"]["tokens_per_s"] > 0
