@@ -30,9 +30,11 @@ from floor_report import (
     Row,
     async_run_rows,
     draft_slopes,
+    host_at_gaps,
     idle_gaps,
     idle_per_step,
     kv_page_reads,
+    long_gaps,
     median,
     page_bytes,
     slopes_table,
@@ -145,13 +147,16 @@ class StepBytes:
         return {"weights": w, "kv": reads * self.page, "total": w + reads * self.page}
 
 
-def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
+def gpu_idle(engine, rec: Recorder, steps: int, stacks: bool = False) -> list[dict]:
     """Profile `steps` engine steps: per step its window (start to next start), the union of
-    the GPU's kernel / memcpy / memset intervals inside it, and the idle rest."""
+    the GPU's kernel / memcpy / memset intervals inside it, and the idle rest. stacks: also
+    record the host's Python functions and charge each long idle gap to what the host was
+    running meanwhile (``gap_hosts``; printed)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     first, ran = len(rec.steps), []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=stacks) as prof:
         for _ in range(steps):
             before = len(rec.steps)
             with record_function(STEP_LABEL):
@@ -178,6 +183,8 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
     kinds = iter((step_kind(rows), chain_steps(rows)) for rows, _ in rec.steps[first:])
     step_kinds = [next(kinds) if r else (None, 1) for r in ran]
     kernels = kernel_times(events, [s for s, _ in marks], step_kinds)
+    if stacks:
+        gap_hosts(events, busy, bounds, sum(k for kind, k in step_kinds if kind is not None))
     windows = [w for w, r in zip(windows, ran, strict=True) if r]
     gaps = [g for g, r in zip(gaps, ran, strict=True) if r]
     out = []
@@ -188,6 +195,29 @@ def gpu_idle(engine, rec: Recorder, steps: int) -> list[dict]:
                     # per step of the plan: idle gaps <= 2 us, <= 10 us, <= 100 us, longer
                     "idle_gaps": [{"count": n / k, "ms": t / 1e6 / k} for n, t in g]})
     return out
+
+
+def gap_hosts(events, busy: list[tuple[int, int]], bounds: list[int], steps: int) -> None:
+    """Print what the host ran while the GPU sat idle for over 100 us in the profiled steps:
+    per Python function or CUDA runtime call (innermost, the main thread), ms per decode step;
+    then the same over this repository's functions only."""
+    marks = [e for e in events if e.name() == STEP_LABEL
+             and e.device_type() == torch.autograd.DeviceType.CPU]  # fmt: skip
+    main = {e.start_thread_id() for e in marks}
+    host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU
+            and (e.is_python_function() or e.name().startswith("cuda"))]  # fmt: skip
+    mine = [e for e in host if e.start_thread_id() in main] or host
+    spans = [(e.start_ns(), e.end_ns(), e.name()[:100]) for e in mine]
+    gaps = [g for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+            for g in long_gaps(busy, lo, hi)]  # fmt: skip
+    total = sum(g1 - g0 for g0, g1 in gaps)
+    print(f"## host during GPU idle gaps > 100 us: {len(gaps)} gaps, "
+          f"{total / 1e6 / max(steps, 1):.3f} ms per decode step", file=sys.stderr)
+    ours = [sp for sp in spans if "aspire_ray/" in sp[2] or "scripts/" in sp[2]]
+    for title, chosen in (("innermost", spans), ("innermost of this repository's", ours)):
+        print(f"# {title} functions, ms per decode step", file=sys.stderr)
+        for name, ns in list(host_at_gaps(gaps, chosen).items())[:25]:
+            print(f"{ns / 1e6 / max(steps, 1):8.3f}  {name}", file=sys.stderr)
 
 
 def new_tokens(args) -> int:
@@ -279,7 +309,8 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     if args.cprofile:
         host_profile(engine, args.cprofile, mode)
     on_gpu = torch.device(args.device).type == "cuda"
-    idle = gpu_idle(engine, rec, args.profile_steps) if on_gpu and args.profile_steps else None
+    idle = gpu_idle(engine, rec, args.profile_steps, args.gap_hosts) \
+        if on_gpu and args.profile_steps else None  # fmt: skip
     for kind, names in {p["kind"]: p["kernels"] for p in idle or []}.items():
         print(f"## GPU time per {kind} step by kernel ({mode}), us", file=sys.stderr)
         for name, us in list(names.items())[:16]:
@@ -356,6 +387,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--profile-steps", type=int, default=12, help="profiled steps (GPU only)")
     p.add_argument("--cprofile", type=int, default=0, help="steps under cProfile (stderr)")
+    p.add_argument("--gap-hosts", action="store_true",
+                   help="profile with Python stacks: what the host ran in each long GPU idle "
+                        "gap (stderr; GPU only)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-batched-tokens", type=int, default=16384)

@@ -141,6 +141,47 @@ def idle_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
     return [(n, t) for n, t in out]
 
 
+def long_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
+              longer_than: float = GAP_BUCKETS_NS[-1]) -> list[tuple[float, float]]:
+    """The idle stretches inside [lo, hi) longer than ``longer_than`` (ns) as (start, end):
+    where the GPU waited for the host (``idle_gaps``' last bucket)."""
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi)
+    out, end = [], lo
+    for s, e in [*clipped, (hi, hi)]:
+        if s - end > longer_than:
+            out.append((end, s))
+        end = max(end, e)
+    return out
+
+
+def host_at_gaps(gaps: Sequence[tuple[float, float]], spans: Iterable[tuple[float, float, str]],
+                 every_ns: float = 10_000) -> dict[str, float]:
+    """What the host was doing while the GPU sat idle: gaps (start, end) ns of an idle GPU,
+    spans (start, end, name) ns of host work (Python functions, CUDA runtime calls, one
+    thread) -> {name: ns}, each point every ``every_ns`` inside a gap charged to the innermost
+    span holding it (the one that began last), or to "(none)"; sorted, largest first."""
+    import bisect
+
+    gaps = sorted(gaps)  # disjoint: their ends are sorted too
+    ends = [g1 for _, g1 in gaps]
+
+    def overlaps(sp) -> bool:  # the first gap ending after the span starts begins before its end
+        i = bisect.bisect_right(ends, sp[0])
+        return i < len(gaps) and gaps[i][0] < sp[1]
+
+    near = sorted(sp for sp in spans if overlaps(sp))
+    out: dict[str, float] = {}
+    for g0, g1 in gaps:
+        holding = [sp for sp in near if sp[0] < g1 and sp[1] > g0]
+        t = g0 + every_ns / 2
+        while t < g1:
+            inside = [sp for sp in holding if sp[0] <= t < sp[1]]
+            name = max(inside, key=lambda sp: (sp[0], -sp[1]))[2] if inside else "(none)"
+            out[name] = out.get(name, 0.0) + every_ns
+            t += every_ns
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def idle_per_step(
     starts: Sequence[float], last_end: float, intervals: Sequence[tuple[float, float]]
 ) -> list[tuple[float, float]]:

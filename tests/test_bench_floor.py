@@ -77,6 +77,18 @@ def test_step_kind_and_idle():
     assert gaps == [(1, 0.5), (1, 1.0), (2, 14.0), (0, 0.0)]
 
 
+def test_host_at_long_gaps_charges_the_innermost_span():
+    # GPU busy [0, 10) and [200, 300): one long gap [10, 200) (the 100 us limit scaled to 50)
+    gaps = fr.long_gaps([(0, 10), (200, 300), (300, 320)], 0, 400, longer_than=50)
+    assert gaps == [(10, 200), (320, 400)]
+    spans = [(0, 1000, "step"), (0, 60, "schedule"), (50, 120, "sync"), (300, 350, "launch")]
+    host = fr.host_at_gaps(gaps, spans, every_ns=10)
+    # [10, 50): schedule (4 points); [50, 120): sync, which began later (7); [120, 200) and
+    # [350, 400): only the step (13); [320, 350): launch (3)
+    assert host == {"step": 130, "sync": 70, "schedule": 40, "launch": 30}
+    assert fr.host_at_gaps(gaps, [], every_ns=10) == {"(none)": 270}
+
+
 def test_summarize():
     step = {"kind": "ar", "rows": 2, "tokens": 2, "worker_s": {"forward": 0.002},
             "bytes": {"weights": 1000, "kv": 3000, "total": 4000}}  # fmt: skip
