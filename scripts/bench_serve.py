@@ -12,6 +12,10 @@ first-use compilation of the kernels its steps need, which a later one loads fro
 cache (the served engine starts after the offline one). The steady-decode
 window (``steady_decode``) runs from the last request's first chunk to the first request's
 last: raise ``--max-tokens`` to give it more engine steps (it reports how many it had).
+``--repeats N`` times each path's timed part, the LLM and the Serve application built once and
+warmed up once: each path reports its ``repeats`` and, at its top level, the median wall time
+and tokens/s, with the other figures (percentiles, steady decode, requests) of the repeat of
+median wall time; the ratio is of the median tokens/s.
 
     python scripts/bench_serve.py --model smollm2-135m-instruct --device cpu --dtype float32 \
         --spec-mode aspire --num-prompts 8 --prompt-tokens 512 --max-tokens 64 \
@@ -27,6 +31,7 @@ import math
 import re
 import shlex
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,8 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-driver", choices=("actor", "replica"), default="actor",
                    help="deployment.engine_driver: the engine core in a driver actor or in a "
                         "thread of the replica")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each path, one engine and one warm-up each: the median "
+                        "reported, every run listed")
     p.add_argument("--out", default=None, help="JSON output path")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
@@ -101,20 +112,37 @@ def offline_kwargs(engine: dict) -> dict:
     return {**flat, **engine.get("spec_options", {})}
 
 
+def with_medians(repeats: list[dict]) -> dict:
+    """One path's result: the figures of its median-wall repeat (the lower middle one for an
+    even count) with the median wall_s and tokens_per_s over all, and ``repeats``: every
+    repeat's figures, less its per-request list."""
+    middle = sorted(repeats, key=lambda r: r["wall_s"])[(len(repeats) - 1) // 2]
+    return {**middle, "wall_s": statistics.median(r["wall_s"] for r in repeats),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in repeats),
+            "median_repeat": repeats.index(middle),
+            "repeats": [{k: v for k, v in r.items() if k != "requests"} for r in repeats]}
+
+
+def timed_generate(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[dict, list]:
+    """One timed ``LLM.generate`` over every prompt: (its figures, the prompts' token counts)."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return ({"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall},
+            [len(o.prompt_token_ids) for o in outs])
+
+
 def run_offline(engine: dict, args: argparse.Namespace) -> tuple[list[str], dict]:
-    """(the text prompts, offline results); the LLM is released before Serve starts."""
+    """(the text prompts, offline results over ``--repeats`` timed runs); the LLM is released
+    before Serve starts."""
     with LLM(**offline_kwargs(engine)) as llm:
         prompts = text_prompts(llm, args.num_prompts, args.prompt_tokens)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts[:WARMUP], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0,
                                                       ignore_eos=True))  # fmt: skip
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        prompt_tokens = [len(o.prompt_token_ids) for o in outs]
-    tokens = sum(len(o.token_ids) for o in outs)
-    return prompts, {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-                     "prompt_tokens": prompt_tokens}
+        runs = [timed_generate(llm, prompts, params) for _ in range(args.repeats)]
+    return prompts, {**with_medians([r for r, _ in runs]), "prompt_tokens": runs[0][1]}
 
 
 async def stream_one(client, url: str, prompt: str, max_tokens: int, started: list[int],
@@ -181,10 +209,20 @@ def steady_decode(results: list[dict], start: tuple, end: tuple) -> dict:
 
 
 async def run_clients(url: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    """``--concurrency`` clients drain a shared queue of the prompts; with one client a prompt,
-    the steady-decode figures (``steady_decode``) too."""
+    """The warm-up requests, then ``--repeats`` timed client runs (``client_run``) on one HTTP
+    client: the served result (``with_medians``)."""
     import httpx
 
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(stream_one(client, url, p, WARMUP_TOKENS, [0], WARMUP,
+                                          asyncio.Event()) for p in prompts[:WARMUP]))
+        repeats = [await client_run(client, url, prompts, args) for _ in range(args.repeats)]
+    return with_medians(repeats)
+
+
+async def client_run(client, url: str, prompts: list[str], args: argparse.Namespace) -> dict:
+    """One timed run: ``--concurrency`` clients drain a shared queue of the prompts; with one
+    client a prompt, the steady-decode figures (``steady_decode``) too."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -202,25 +240,27 @@ async def run_clients(url: str, prompts: list[str], args: argparse.Namespace) ->
                 if len(marks) == 1:  # the window's end, before more requests end
                     marks.append((time.perf_counter(), await engine_counters(client, url)))
 
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(stream_one(client, url, p, WARMUP_TOKENS, [0], WARMUP,
-                                          asyncio.Event()) for p in prompts[:WARMUP]))
-        steady = args.concurrency >= len(prompts)
-        t0 = time.perf_counter()
-        clients = asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
-        if steady:  # a failing client must not leave this waiting for the rest to start
-            waiter = asyncio.ensure_future(all_started.wait())
-            await asyncio.wait({waiter, clients}, return_when=asyncio.FIRST_COMPLETED)
-            if all_started.is_set():
-                marks.append((time.perf_counter(), await engine_counters(client, url)))
-            waiter.cancel()
-        await clients
-        wall = time.perf_counter() - t0
-        if len(marks) == 1:  # a request ended before the last one started: an empty window
-            marks.append(marks[0])
+    steady = args.concurrency >= len(prompts)
+    t0 = time.perf_counter()
+    clients = asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+    if steady:  # a failing client must not leave this waiting for the rest to start
+        waiter = asyncio.ensure_future(all_started.wait())
+        await asyncio.wait({waiter, clients}, return_when=asyncio.FIRST_COMPLETED)
+        if all_started.is_set():
+            marks.append((time.perf_counter(), await engine_counters(client, url)))
+        waiter.cancel()
+    await clients
+    wall = time.perf_counter() - t0
+    if len(marks) == 1:  # a request ended before the last one started: an empty window
+        marks.append(marks[0])
+    return run_figures(results, wall, marks, args.concurrency)
+
+
+def run_figures(results: list[dict], wall: float, marks: list[tuple], concurrency: int) -> dict:
+    """One timed client run's figures from its requests (``stream_one``'s results)."""
     tokens = sum(r["completion_tokens"] for r in results)
     out = {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-           "concurrency": args.concurrency,
+           "concurrency": concurrency,
            "ttft": percentiles([r["ttft_s"] for r in results]),
            "inter_chunk": percentiles([g for r in results for g in r["gaps_s"]])}
     if len(marks) == 2:
@@ -262,20 +302,32 @@ def run_served(engine: dict, prompts: list[str], args: argparse.Namespace) -> di
         ray.shutdown()
 
 
+def table_row(label: str, r: dict) -> str:
+    """A table row of one repeat's figures, or of a path's (median) result."""
+    pct = {key: "/".join(f"{r[key][f'p{q}_ms']:.{digits}f}" for q in PERCENTILES)
+           if key in r else "" for key, digits in (("ttft", 0), ("inter_chunk", 1))}  # fmt: skip
+    return (f"| {label} | {r['wall_s']:.2f} | {r['output_tokens']} | {r['tokens_per_s']:.1f} "
+            f"| {pct['ttft']} | {pct['inter_chunk']} |")
+
+
+def path_rows(label: str, r: dict) -> list[str]:
+    """A path's rows: one a repeat, then the median (a single repeat: one row)."""
+    if len(r["repeats"]) == 1:
+        return [table_row(label, r)]
+    return [*(table_row(f"{label} #{i + 1}", rep) for i, rep in enumerate(r["repeats"])),
+            table_row(f"{label} median", r)]
+
+
 def table(result: dict) -> str:
     off, srv = result["offline"], result["served"]
     rows = ["| path | wall s | tokens | tokens/s | TTFT p50/p90/p99 ms | gap p50/p90/p99 ms |",
-            "|---|---|---|---|---|---|",
-            f"| offline | {off['wall_s']:.2f} | {off['output_tokens']} "
-            f"| {off['tokens_per_s']:.1f} | | |"]
-    ttft = "/".join(f"{srv['ttft'][f'p{q}_ms']:.0f}" for q in PERCENTILES)
-    gap = "/".join(f"{srv['inter_chunk'][f'p{q}_ms']:.1f}" for q in PERCENTILES)
-    rows.append(f"| served x{srv['concurrency']} | {srv['wall_s']:.2f} | {srv['output_tokens']} "
-                f"| {srv['tokens_per_s']:.1f} | {ttft} | {gap} |")
-    rows.append(f"\nserved / offline tokens/s: {result['ratio']:.3f}")
+            "|---|---|---|---|---|---|", *path_rows("offline", off),
+            *path_rows(f"served x{srv['concurrency']}", srv)]
+    rows.append(f"\nserved / offline tokens/s (medians): {result['ratio']:.3f}")
     if "steady_decode" in srv:
         sd = srv["steady_decode"]
-        rows.append(f"steady decode: gap p50 {sd['inter_chunk']['p50_ms']:.1f} ms, engine "
+        rows.append(f"steady decode (served #{srv['median_repeat'] + 1}): gap p50 "
+                    f"{sd['inter_chunk']['p50_ms']:.1f} ms, engine "
                     f"{sd['engine_step_ms']:.1f} ms a step ({sd['engine_steps']:.0f} steps): "
                     f"{sd['gap_p50_over_step']:.2f}x; whole engine step "
                     f"{sd['engine_step_wall_ms']:.1f} ms: {sd['gap_p50_over_step_wall']:.2f}x")
@@ -288,7 +340,7 @@ def main(argv=None) -> None:
     prompts, offline = run_offline(engine, args)
     served = run_served(engine, prompts, args)
     result = {"command": shlex.join(["python", *sys.argv]), "args": vars(args), "engine": engine,
-              "offline": offline, "served": served,
+              "offline": offline, "served": served,  # medians over --repeats, and each repeat
               "ratio": served["tokens_per_s"] / offline["tokens_per_s"]}
     print(table(result))
     if args.out:

@@ -14,7 +14,7 @@
 # Runs (results under $OUT, the log's tail printed):
 #   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
-#   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS]
+#   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
 #   bash scripts/gpu_runs.sh tp TARGET [MODES] [BATCHES] [CONTEXT] [MAX_TOKENS] [EXTRA...]
 #     (bench_tp.py, TP=1 vs TP=2, one process per mode and TP; TARGET a bench_tp shape such
 #      as qwen3-8b (random weights), 1.5b (the staged Qwen2.5-Coder-1.5B) or a model path)
@@ -92,7 +92,7 @@ print('alias ->', r('qwen2.5-coder-1.5b-instruct'))" ;;
     run_logged serve python3 scripts/bench_serve.py --model "$MODEL" --device cuda \
       --dtype bfloat16 --spec-mode "$1" --engine-driver "$2" --num-prompts "${3:-64}" \
       --prompt-tokens "${4:-16000}" --max-tokens "${5:-128}" --concurrency "${3:-64}" \
-      --out "$OUT/serve.json" ;;
+      --repeats "${6:-1}" --out "$OUT/serve.json" ;;
   tp)
     target="$1"; modes="${2:-ar,magicdec,specattn,aspire_fixed,aspire_fsm,aspire}"
     batches="${3:-16,64}"; context="${4:-32000}"; new="${5:-64}"

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import one_thread_env
+import torch
+from helpers import one_thread_env, scripts_imported
 from transformers import AutoConfig
 
 from aspire_ray.config import SpecConfig
@@ -87,6 +88,42 @@ def test_host_at_long_gaps_charges_the_innermost_span():
     # [350, 400): only the step (13); [320, 350): launch (3)
     assert host == {"step": 130, "sync": 70, "schedule": 40, "launch": 30}
     assert fr.host_at_gaps(gaps, [], every_ns=10) == {"(none)": 270}
+
+
+class _Event:  # a profiler event as torch 2.11 gives it: no is_python_function
+    def __init__(self, name, start, end, device="CPU", thread=1):
+        self._name, self._span, self._thread = name, (start, end), thread
+        self._device = getattr(torch.autograd.DeviceType, device)
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._span[0]
+
+    def end_ns(self):
+        return self._span[1]
+
+    def device_type(self):
+        return self._device
+
+    def start_thread_id(self):
+        return self._thread
+
+
+def test_gap_hosts_names_the_host_function_of_an_idle_gap(capsys):
+    with scripts_imported("bench_floor") as (bf,):
+        events = [_Event(bf.STEP_LABEL, 0, 1_000_000),
+                  _Event("aspire_ray/engine/scheduler.py(129): schedule", 100_000, 700_000),
+                  _Event("cudaEventSynchronize", 20_000, 90_000),
+                  _Event("aten::add", 100_000, 700_000),  # an op: not a host span here
+                  _Event("aspire_ray/x.py(1): elsewhere", 0, 1_000_000, thread=2)]  # fmt: skip
+        # the GPU busy [0, 10 us) and [800 us, 1 ms): idle [10, 800) us, one plan of 4 steps
+        bf.gap_hosts(events, [(0, 10_000), (800_000, 1_000_000)], [0, 1_000_000], steps=4)
+    err = capsys.readouterr().err
+    assert "1 gaps, 0.198 ms per decode step" in err
+    assert "   0.150  aspire_ray/engine/scheduler.py(129): schedule" in err  # 600 us / 4
+    assert "   0.018  cudaEventSynchronize" in err and "elsewhere" not in err
 
 
 def test_summarize():

@@ -1,9 +1,11 @@
 """scripts/bench_serve.py end to end on the CPU: a tiny random model offline and behind Ray Serve
-(streaming clients), valid JSON with both paths, the ratio and the latency percentiles."""
+(streaming clients), valid JSON with both paths, the ratio and the latency percentiles, two
+repeats of each path's timed part and their medians."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--model", tiny_chat_model, "--device", "cpu",
            "--dtype", "float32", "--spec-mode", "aspire", "--engine-options", json.dumps(engine),
            "--num-prompts", "4", "--prompt-tokens", "200", "--max-tokens", "8",
-           "--concurrency", "4", "--out", str(out)]
+           "--concurrency", "4", "--repeats", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -43,6 +45,17 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
     for req in served["requests"]:
         assert req["completion_tokens"] == 8 and req["finish_reason"] == "length"
     assert "served / offline" in proc.stdout and "steady decode" in proc.stdout
+    # --repeats 2: each path's two timed runs, every one of all the tokens, and their medians
+    medians = {}
+    for path in ("offline", "served"):
+        repeats = result[path]["repeats"]
+        assert len(repeats) == 2 and all(r["output_tokens"] == 4 * 8 for r in repeats)
+        assert all("requests" not in r for r in repeats)
+        medians[path] = statistics.median(r["tokens_per_s"] for r in repeats)
+        assert result[path]["tokens_per_s"] == pytest.approx(medians[path])
+    assert result["ratio"] == pytest.approx(medians["served"] / medians["offline"])
+    for row in ("offline #1", "offline #2", "offline median", "served x4 #1", "served x4 median"):
+        assert f"| {row} |" in proc.stdout
 
 
 def test_offline_and_served_engines_get_one_config(monkeypatch):
