@@ -177,7 +177,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     each = params if isinstance(params, list) else [params] * len(prompts)
     ids, finished = prefill_batch(engine, prompts, each, desc)
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
-    graphs_before = _graph_counters(engine)
+    graphs_before, process_before = _graph_counters(engine), process_counters()
     committed_before = _committed(engine, finished)
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
@@ -190,14 +190,14 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         if elapsed is None and window == "steady" and len(finished) > done_before:
             elapsed = time.perf_counter() - t0
             committed, after = _committed(engine, finished), engine.stats()
-            graphs_after = _graph_counters(engine)
+            graphs_after, process_after = _graph_counters(engine), process_counters()
         if bar is not None:
             bar.n = _committed(engine, finished)
             bar.refresh()
     if elapsed is None:
         elapsed = time.perf_counter() - t0
         committed, after = _committed(engine, finished), engine.stats()
-        graphs_after = _graph_counters(engine)
+        graphs_after, process_after = _graph_counters(engine), process_counters()
     if bar is not None:
         bar.close()
     outs = [finished[r] for r in ids]
@@ -205,8 +205,49 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     # in the window: forwards replayed as whole-step graphs by family, and plans whose next
     # one started early on the device / was continued (Worker.graph_counters)
     breakdown["graphs"] = {k: v - graphs_before.get(k, 0) for k, v in graphs_after.items()}
+    # and what can stall the host or the GPU between launches: Python's garbage collections
+    # and their seconds, the CUDA caching allocator's cudaMalloc / cudaFree calls and its
+    # retries (a failed cudaMalloc frees the cache after syncing every stream)
+    breakdown["process"] = {k: v - process_before.get(k, 0) for k, v in process_after.items()}
     return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
             "breakdown": breakdown}
+
+
+class _GcClock:
+    """Seconds spent in Python's garbage collections, by generation (a gc callback)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
+_GC_CLOCK: _GcClock | None = None
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                      "num_sync_all_streams")  # fmt: skip
+
+
+def process_counters() -> dict[str, float]:
+    """Counts so far: garbage collections and their seconds per generation; on a GPU the
+    caching allocator's ``ALLOCATOR_COUNTERS`` (``torch.cuda.memory_stats``)."""
+    global _GC_CLOCK
+    if _GC_CLOCK is None:
+        _GC_CLOCK = _GcClock()
+    out = {}
+    for g, (stats, secs) in enumerate(zip(gc.get_stats(), _GC_CLOCK.seconds, strict=True)):
+        out[f"gc{g}_collections"], out[f"gc{g}_seconds"] = stats["collections"], secs
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mem = torch.cuda.memory_stats()
+        out.update({k: mem.get(k, 0) for k in ALLOCATOR_COUNTERS})
+    return out
 
 
 def _graph_counters(engine) -> dict[str, int]:

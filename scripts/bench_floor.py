@@ -31,6 +31,7 @@ from floor_report import (
     Row,
     async_run_rows,
     draft_slopes,
+    gap_borders,
     host_at_gaps,
     idle_gaps,
     idle_per_step,
@@ -223,6 +224,13 @@ def gap_hosts(events, busy: list[tuple[int, int]], bounds: list[int], steps: int
         print(f"# {title} functions, ms per decode step", file=sys.stderr)
         for name, ns in list(host_at_gaps(gaps, chosen).items())[:25]:
             print(f"{ns / 1e6 / max(steps, 1):8.3f}  {name}", file=sys.stderr)
+    kernels = [(e.start_ns(), e.end_ns(), e.name()[:60]) for e in events
+               if e.device_type() == torch.autograd.DeviceType.CUDA
+               and e.name() != STEP_LABEL and not e.is_user_annotation()]  # fmt: skip
+    print("# GPU work before and after the gaps (gaps: kernel before -> kernel after)",
+          file=sys.stderr)  # fmt: skip
+    for (before, after), n in list(gap_borders(gaps, kernels).items())[:12]:
+        print(f"{n:5d}  {before} -> {after}", file=sys.stderr)
 
 
 def is_python_function(event) -> bool:

@@ -182,6 +182,25 @@ def host_at_gaps(gaps: Sequence[tuple[float, float]], spans: Iterable[tuple[floa
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def gap_borders(gaps: Sequence[tuple[float, float]],
+                kernels: Sequence[tuple[float, float, str]]) -> dict[tuple[str, str], int]:
+    """Which GPU work ends before each idle gap and which begins after it: gaps (start, end),
+    kernels (start, end, name) -> {(name before, name after): gaps}, most first. Inside a
+    step's graph both are the step's own kernels; at a step's edge, its last and the next
+    one's first ("-" where none)."""
+    import bisect
+
+    by_end = sorted(kernels, key=lambda k: k[1])
+    by_start = sorted(kernels)
+    ends, starts = [k[1] for k in by_end], [k[0] for k in by_start]
+    out: dict[tuple[str, str], int] = {}
+    for g0, g1 in gaps:
+        i, j = bisect.bisect_right(ends, g0) - 1, bisect.bisect_left(starts, g1)
+        pair = (by_end[i][2] if i >= 0 else "-", by_start[j][2] if j < len(by_start) else "-")
+        out[pair] = out.get(pair, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def idle_per_step(
     starts: Sequence[float], last_end: float, intervals: Sequence[tuple[float, float]]
 ) -> list[tuple[float, float]]:

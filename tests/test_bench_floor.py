@@ -88,6 +88,8 @@ def test_host_at_long_gaps_charges_the_innermost_span():
     # [350, 400): only the step (13); [320, 350): launch (3)
     assert host == {"step": 130, "sync": 70, "schedule": 40, "launch": 30}
     assert fr.host_at_gaps(gaps, [], every_ns=10) == {"(none)": 270}
+    kernels = [(0, 10, "plan"), (200, 300, "attn"), (300, 320, "accept")]
+    assert fr.gap_borders(gaps, kernels) == {("plan", "attn"): 1, ("accept", "-"): 1}
 
 
 class _Event:  # a profiler event as torch 2.11 gives it: no is_python_function
@@ -124,6 +126,7 @@ def test_gap_hosts_names_the_host_function_of_an_idle_gap(capsys):
     assert "1 gaps, 0.198 ms per decode step" in err
     assert "   0.150  aspire_ray/engine/scheduler.py(129): schedule" in err  # 600 us / 4
     assert "   0.018  cudaEventSynchronize" in err and "elsewhere" not in err
+    assert "    1  - -> -" in err  # no GPU events given: no kernel either side
 
 
 def test_summarize():

@@ -54,6 +54,10 @@ def recorded(mods, tiny_model_dir, tmp_path_factory):
             rec = tr.TraceRecorder(llm.engine)
             run = bd.decode_run(llm, prompts, params, mode)
             rec.detach()
+            # the window's garbage collections and their seconds (no GPU: no allocator counts)
+            process = run["breakdown"]["process"]
+            assert min(process.values()) >= 0 and "gc0_seconds" in process
+            assert "num_alloc_retries" not in process
             traces.add_run(mode, {}, run["outs"], rec)
             s = bd.summarize(mode, run, None)
             s.pop("token_ids")
