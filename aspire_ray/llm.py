@@ -29,6 +29,7 @@ class LLM:
                                   tp_size=tp_size, load_format=load_format, page_size=page_size,
                                   **kwargs)
         self.engine = LLMEngine(cfg)
+        self.engine.stream_text = False  # generate returns finished outputs, with their text
         self._ids = itertools.count()
         self._closed = False
 

@@ -1,4 +1,9 @@
-"""Committed tokens -> text, incrementally, and stop-string detection (driver side).
+"""Committed tokens -> text, incrementally, and stop-string detection.
+
+The engine decodes stop-string requests as it commits their tokens (to find the stops) and
+every request's final text; a serving replica decodes the others' streamed text on its side
+(``serving/async_engine.py``), and ``LLM.generate`` needs final texts only
+(``LLMEngine.stream_text``).
 
 Not ``tokenizers.decoders.DecodeStream``: it re-decodes every token since its last emitted
 chunk, and emits nothing until that whole window decodes without a trailing U+FFFD, so on

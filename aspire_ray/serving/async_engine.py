@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from aspire_ray.engine.detokenizer import DecodeState, Detokenizer
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.sampling_params import SamplingParams
 
@@ -61,6 +63,9 @@ class _Stream:
     num_tokens: int = 0  # tokens already counted for metrics
     # the prompt's token ids: the core sends them with a request's first output only
     prompt_token_ids: list[int] = field(default_factory=list)
+    # the text decoded here from the outputs' token ids (requests without stop strings: the
+    # engine decodes those, to find the stops)
+    decode: DecodeState | None = None
 
 
 class AsyncLLMEngine:
@@ -86,6 +91,8 @@ class AsyncLLMEngine:
         self._stats = self.core.stats()  # snapshot taken by the engine thread after each step
         # copied before the engine thread starts: from then on it alone uses engine.tokenizer
         self.tokenizers = TokenizerPool(tokenizer)
+        # the engine thread's own copy: it decodes the streams' text (``_deliver``)
+        self._detok = Detokenizer(copy.deepcopy(tokenizer) if tokenizer is not None else None)
         self._thread = threading.Thread(target=self._run, name="aspire-engine", daemon=True)
         self._thread.start()
 
@@ -151,7 +158,7 @@ class AsyncLLMEngine:
         aborts the request.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), decode=None if params.stop else DecodeState())
         add = _Add(request_id, prompt, params)
         with self._cv:
             if self._error is not None:
@@ -278,6 +285,8 @@ class AsyncLLMEngine:
                 out.prompt_token_ids = stream.prompt_token_ids
             step_tokens += len(out.token_ids) - stream.num_tokens
             stream.num_tokens = len(out.token_ids)
+            if stream.decode is not None and not out.finished:  # (finished: the engine's text)
+                out.text = self._detok.update(stream.decode, out.token_ids)
             if out.finished and self.metrics is not None:
                 self.metrics.on_finished(out)
             item = out

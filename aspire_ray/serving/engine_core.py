@@ -82,6 +82,10 @@ class EngineCore:
         if isinstance(engine_or_cfg, EngineConfig):
             engine_or_cfg = LLMEngine(engine_or_cfg)
         self.engine = engine_or_cfg
+        # the replica decodes unfinished requests' text from their token ids
+        # (``AsyncLLMEngine._deliver``), off the step loop; stop strings and final texts are
+        # still the engine's
+        self.engine.stream_text = False
         self._reported: set[str] = set()  # unfinished requests whose prompt ids were sent
 
     def facts(self) -> CoreFacts:

@@ -3,9 +3,11 @@
 A HF fast tokenizer is one Rust object behind PyO3's borrow check: a call that mutates it (the
 truncation and padding that ``encode`` resets, ``encode_special_tokens``) while another thread
 is inside a call that released the GIL can raise ``RuntimeError: Already borrowed`` (vLLM issue
-40949). The engine thread detokenizes every step with the engine's tokenizer, so the HTTP side
-(prompts and chat templates, tokenized in asyncio's thread pool) uses its own copies, made once
-when the replica starts: the engine thread's per-step decoding takes no lock.
+40949). The engine thread decodes every step's text (with a copy of its own,
+``AsyncLLMEngine._deliver``; in-process, the engine's tokenizer too for stop strings and final
+texts), so the HTTP side (prompts and chat templates, tokenized in asyncio's thread pool) uses
+its own copies, made once when the replica starts: the engine thread's per-step decoding takes
+no lock.
 
 Invariant: each copy is used by at most one thread at a time (``_borrow`` hands a copy to one
 caller until it returns); the engine's tokenizer is read only while the copies are made, before

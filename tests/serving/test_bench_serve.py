@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import one_thread_env
@@ -68,7 +69,8 @@ def test_offline_and_served_engines_get_one_config(monkeypatch):
     import bench_serve
 
     built = []
-    monkeypatch.setattr(llm_module, "LLMEngine", built.append)
+    # the config each LLM builds its engine from (a stand-in engine: nothing loads)
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda cfg: built.append(cfg) or SimpleNamespace())
     for engine in ({"model": "smollm2-135m-instruct", "spec_mode": "aspire", "dtype": "bfloat16",
                     "device": "cpu", "tp_size": 1},
                    {"model": "smollm2-135m-instruct", "spec_mode": "ar", "calibrate": "off",

@@ -311,3 +311,39 @@ def test_gpu_bundles_on_a_cpu_engine_fail_at_start():
     with pytest.raises(ValueError, match=r"placement_group_bundles .* reserve a GPU .*'cpu'"):
         AppArgs.model_validate({"engine": {"device": "cpu"}, "deployment": {
             "placement_group_bundles": [{"CPU": 1}, {"GPU": 1}]}})
+
+
+def test_the_replica_decodes_streamed_text_not_the_step_loop(tiny_chat_model):
+    # the step loop decodes no unfinished request's text (host time on the GPU's critical
+    # path); the replica decodes it from the token ids; stop strings stay the engine's
+    cfg = build_engine_config(tiny_chat_model, **ENGINE_KW)
+    core = EngineCore(cfg)
+    tok = core.engine.tokenizer
+    try:
+        out = core.step([NewRequest("a", "Hello there", GREEDY)], []).outputs
+        while not any(o.finished for o in out):
+            assert all(o.text == "" for o in out)  # unfinished: no text from the core
+            out = core.step([], []).outputs
+        assert out[-1].text == tok.decode(out[-1].token_ids, skip_special_tokens=True)
+    finally:
+        core.engine.shutdown()
+    engine = AsyncLLMEngine(EngineCore(cfg).engine)
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def outputs(rid, params):
+        return [o async for o in engine.generate(rid, "Hello there", params)]
+
+    try:
+        streamed = asyncio.run(outputs("s", free))
+        texts = [o.text for o in streamed]
+        assert len(streamed) > 2 and texts[-2]  # text before the end
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+        assert texts[-1] == tok.decode(streamed[-1].token_ids, skip_special_tokens=True)
+        # a stop string: the engine finds it, the replica streams the engine's text
+        word = texts[-1][len(texts[-1]) // 2 :].split()[0]
+        stopped = asyncio.run(outputs("t", SamplingParams(max_tokens=24, temperature=0.0,
+                                                          stop=[word])))  # fmt: skip
+        assert stopped[-1].finish_reason == "stop" and word not in stopped[-1].text
+        assert texts[-1].startswith(stopped[-1].text)
+    finally:
+        engine.shutdown()
