@@ -6,6 +6,7 @@ Notation (DESIGN.md §1.3): x_1..x_n committed, KV exact for x_1..x_{n-1}.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -112,12 +113,19 @@ class RowPlan:
 def async_kinds(held: int, gamma: int, steps: int) -> list[int]:
     """``RowPlan.async_kinds`` of a row that starts a run of ``steps`` steps holding ``held``
     drafts, with draft length ``gamma``."""
+    return list(_async_kinds(held, gamma, steps))
+
+
+@functools.lru_cache(maxsize=4096)
+def _async_kinds(held: int, gamma: int, steps: int) -> tuple[int, ...]:
+    # a few hundred calls a plan (scheduler, cost features, worker tracks, the next run's
+    # start) over a few dozen distinct (held, gamma, steps): cached, on the host's critical path
     kinds = []
     for _ in range(steps):
         verifies = held >= gamma
         kinds.append(held if verifies else -1)
         held = 0 if verifies else held + 1
-    return kinds
+    return tuple(kinds)
 
 
 def held_after(kinds: list[int], held: int) -> int:
