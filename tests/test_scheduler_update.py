@@ -169,3 +169,30 @@ def test_a_request_that_left_mid_step_is_left_alone():
     sched.finish(req, "abort")
     assert sched.update(plan, _answer(plan, lambda row: ([5], 0))) == []
     assert req.output_token_ids == [100] and req.finish_reason == "abort"
+
+
+def test_committing_without_stop_strings_ends_where_token_by_token_does():
+    # requests without stop strings commit a result in one pass (no text to decode); it must
+    # stop where the token-by-token path (stop strings, here one that never matches) stops:
+    # the first stop token, max_tokens, or the context's end, whichever comes first
+    import random
+
+    rng = random.Random(0)
+    for case in range(300):
+        sched = _scheduler("ar", ar_chain=1)
+        sched.max_model_len = rng.choice([4096, 47, 50])
+        kw = dict(max_tokens=rng.randint(1, 9), stop_token_ids=rng.choice([[], [7]]),
+                  ignore_eos=rng.random() < 0.3)  # fmt: skip
+        fast, slow = _add(sched, "fast", **kw), _add(sched, "slow", stop=["\x00never"], **kw)
+        before = rng.randint(0, 3)  # tokens committed already
+        for req in (fast, slow):
+            req.output_token_ids = [5] * before
+        tokens = [rng.choice([EOS, 7, 11, 12, 13]) for _ in range(rng.randint(1, 8))]
+        for req in (fast, slow):
+            req.status = Status.RUNNING
+            sched.running.append(req)
+            sched._append(req, list(tokens))
+        assert fast.output_token_ids == slow.output_token_ids, (case, kw, tokens)
+        assert fast.finish_reason == slow.finish_reason, (case, kw, tokens)
+        assert fast.metrics.generated_tokens == slow.metrics.generated_tokens
+        assert fast.status == slow.status

@@ -385,12 +385,27 @@ class Scheduler:
             m.accepted_by_position[j] += int(j < a)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
-        """Commit tokens one by one, applying stop conditions to committed tokens only."""
+        """Commit tokens, applying stop conditions to committed tokens only: the first stop
+        token, or the token that reaches max_tokens or the context, ends the request and the
+        tokens after it are dropped."""
         p = req.params
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids
-        for token in tokens:
+        if not p.stop:  # no stop strings: the end is found without decoding, in one pass
+            room = min(p.max_tokens - len(req.output_token_ids),
+                       self.max_model_len - req.num_tokens)  # fmt: skip
+            at_length = max(room, 1) - 1  # the index whose commit reaches a length limit
+            at_stop = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+            end = min(at_stop, at_length, len(tokens) - 1)
+            req.output_token_ids += tokens[: end + 1]
+            req.metrics.generated_tokens += end + 1
+            if at_stop == end:
+                self.end(req, "stop")
+            elif at_length == end:
+                self.end(req, "length")
+            return
+        for token in tokens:  # stop strings: token by token, the text decides
             req.output_token_ids.append(token)
             req.metrics.generated_tokens += 1
             if token in stop_ids:
