@@ -63,6 +63,8 @@ class _Stream:
     num_tokens: int = 0  # tokens already counted for metrics
     # the prompt's token ids: the core sends them with a request's first output only
     prompt_token_ids: list[int] = field(default_factory=list)
+    # the output's token ids so far: the core sends each once (``EngineCore.step``)
+    token_ids: list[int] = field(default_factory=list)
     # the text decoded here from the outputs' token ids (requests without stop strings: the
     # engine decodes those, to find the stops)
     decode: DecodeState | None = None
@@ -279,10 +281,13 @@ class AsyncLLMEngine:
                           else self._streams.get(out.request_id))
             if stream is None:
                 continue  # aborted meanwhile
-            if out.prompt_token_ids:
+            if out.prompt_token_ids:  # its first output: the tokens so far, all of them
                 stream.prompt_token_ids = out.prompt_token_ids
-            else:
+                stream.token_ids = list(out.token_ids)  # (the output handed out stays as is)
+            else:  # later ones: the tokens new since the last
                 out.prompt_token_ids = stream.prompt_token_ids
+                stream.token_ids += out.token_ids
+                out.token_ids = list(stream.token_ids)
             step_tokens += len(out.token_ids) - stream.num_tokens
             stream.num_tokens = len(out.token_ids)
             if stream.decode is not None and not out.finished:  # (finished: the engine's text)

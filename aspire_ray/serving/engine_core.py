@@ -6,7 +6,8 @@ only through ``step`` (or ``submit`` then ``collect``): one call carries every r
 and aborted since the last step, and returns every output of one engine step (never a call per
 request or per token). An output carries its request's prompt token ids the first time only
 (later ones an empty list: the replica keeps them), so that a step of 64 requests of 16k-token
-prompts returns kilobytes, not megabytes, to pickle and unpickle.
+prompts returns kilobytes, not megabytes, to pickle and unpickle; likewise its output token
+ids cross once each (later outputs carry the new ones only).
 ``EngineCore`` runs it in-process; ``ActorCore`` runs the same class as a Ray actor (the
 driver), so that the engine's Python work and, at tp = 1, the GPU forward leave the replica's
 GIL to HTTP and streaming (issue 16; vLLM v1's EngineCore / AsyncLLM split is the model). The
@@ -86,7 +87,8 @@ class EngineCore:
         # (``AsyncLLMEngine._deliver``), off the step loop; stop strings and final texts are
         # still the engine's
         self.engine.stream_text = False
-        self._reported: set[str] = set()  # unfinished requests whose prompt ids were sent
+        # unfinished requests whose first output was sent -> output tokens sent so far
+        self._tokens_sent: dict[str, int] = {}
 
     def facts(self) -> CoreFacts:
         engine = self.engine
@@ -101,11 +103,14 @@ class EngineCore:
         """Apply the aborts, then the adds, then run one engine step (a step right after an
         abort also tells the workers to drop the request). An add the engine refuses (bad
         prompt or params) is returned in ``rejected``, not raised; a failing step raises.
-        A request's first output carries its prompt token ids, later ones none (``[]``)."""
+        A request's first output carries its prompt token ids and its output tokens so far,
+        later ones no prompt ids (``[]``) and only the tokens new since the last (the replica
+        keeps both, ``AsyncLLMEngine._deliver``): a step's outputs stay kilobytes however long
+        the requests' prompts and outputs grow."""
         engine = self.engine
         for request_id in aborts:
             engine.abort_request(request_id)
-            self._reported.discard(request_id)
+            self._tokens_sent.pop(request_id, None)
         rejected: dict[str, BaseException] = {}
         for new in adds:
             try:
@@ -114,12 +119,12 @@ class EngineCore:
                 rejected[new.request_id] = exc
         outputs = engine.step()
         for out in outputs:
-            if out.request_id in self._reported:
-                out.prompt_token_ids = []  # sent with its first output
-            elif not out.finished:
-                self._reported.add(out.request_id)
-            if out.finished:
-                self._reported.discard(out.request_id)
+            total = len(out.token_ids)
+            sent = self._tokens_sent.pop(out.request_id, None)
+            if sent is not None:  # the prompt went with its first output, the tokens before
+                out.prompt_token_ids, out.token_ids = [], out.token_ids[sent:]
+            if not out.finished:
+                self._tokens_sent[out.request_id] = total
         healthy = getattr(engine, "healthy", True)
         return CoreStep(outputs, rejected, engine.has_unfinished(), engine.stats(),
                         None if healthy else str(engine.error))  # fmt: skip

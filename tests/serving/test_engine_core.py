@@ -63,9 +63,10 @@ def test_a_step_carries_a_batch_of_adds_and_aborts(tiny_chat_model):
 
 
 def test_a_prompt_crosses_the_channel_once(tiny_chat_model):
-    """A request's first output carries its prompt token ids, later ones none: a step's
-    outputs stay small however long the prompts (64 x 16k-token prompts: megabytes a step to
-    pickle in the driver and unpickle in the replica, the served path's lost 18% on an H200)."""
+    """A request's first output carries its prompt token ids, later ones none, and each
+    output token crosses once: a step's outputs stay small however long the prompts and the
+    outputs (64 x 16k-token prompts: megabytes a step to pickle in the driver and unpickle in
+    the replica, the served path's lost 18% on an H200)."""
     core = EngineCore(build_engine_config(tiny_chat_model, **ENGINE_KW))
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -82,7 +83,10 @@ def test_a_prompt_crosses_the_channel_once(tiny_chat_model):
             first, *rest = outputs[rid]
             assert first.prompt_token_ids == want and rest and rest[-1].finished
             assert all(o.prompt_token_ids == [] for o in rest)
-        assert not core._reported  # nothing kept for finished requests
+            # and each output token once: the outputs' token ids, joined, are the request's 8
+            joined = [t for o in outputs[rid] for t in o.token_ids]
+            assert len(joined) == 8 and all(0 < len(o.token_ids) <= 8 for o in rest)
+        assert not core._tokens_sent  # nothing kept for finished requests
     finally:
         core.shutdown()
 
@@ -94,10 +98,10 @@ def test_the_driver_steps_on_without_being_called(tiny_chat_model):
     cfg = build_engine_config(tiny_chat_model, **ENGINE_KW)
     core = EngineCore(cfg)
     try:
-        step = core.step([NewRequest("a", "Hello there", GREEDY)], [])
-        while step.busy:
-            step = core.step([], [])
-        want = step.outputs[-1].token_ids
+        steps = [core.step([NewRequest("a", "Hello there", GREEDY)], [])]
+        while steps[-1].busy:
+            steps.append(core.step([], []))
+        want = [t for step in steps for o in step.outputs for t in o.token_ids]
     finally:
         core.shutdown()
     driver = _Driver()
@@ -110,7 +114,7 @@ def test_the_driver_steps_on_without_being_called(tiny_chat_model):
         rest = driver.exchange([], [])  # every step since the first exchange, merged
         outputs = first.outputs + rest.outputs
         assert len(rest.outputs) > 1 and not rest.busy
-        assert outputs[-1].finished and outputs[-1].token_ids == want
+        assert outputs[-1].finished and [t for o in outputs for t in o.token_ids] == want
         assert outputs[0].prompt_token_ids and all(not o.prompt_token_ids for o in outputs[1:])
         assert driver.exchange([], []).outputs == []  # idle: returns at once, empty
     finally:
@@ -321,10 +325,13 @@ def test_the_replica_decodes_streamed_text_not_the_step_loop(tiny_chat_model):
     tok = core.engine.tokenizer
     try:
         out = core.step([NewRequest("a", "Hello there", GREEDY)], []).outputs
+        tokens = []
         while not any(o.finished for o in out):
             assert all(o.text == "" for o in out)  # unfinished: no text from the core
+            tokens += [t for o in out for t in o.token_ids]
             out = core.step([], []).outputs
-        assert out[-1].text == tok.decode(out[-1].token_ids, skip_special_tokens=True)
+        tokens += out[-1].token_ids  # (the core sends each token once)
+        assert out[-1].text == tok.decode(tokens, skip_special_tokens=True)
     finally:
         core.engine.shutdown()
     engine = AsyncLLMEngine(EngineCore(cfg).engine)
@@ -335,6 +342,11 @@ def test_the_replica_decodes_streamed_text_not_the_step_loop(tiny_chat_model):
 
     try:
         streamed = asyncio.run(outputs("s", free))
+        # cumulative token ids rebuilt from the core's new-tokens-only outputs; an output
+        # already handed out is never changed after
+        lengths = [len(o.token_ids) for o in streamed]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 24
+        assert all(o.token_ids == streamed[-1].token_ids[: len(o.token_ids)] for o in streamed)
         texts = [o.text for o in streamed]
         assert len(streamed) > 2 and texts[-2]  # text before the end
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
