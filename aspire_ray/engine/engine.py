@@ -21,6 +21,7 @@ from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
 from aspire_ray.spec.cost_model import CollectiveCost, CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
 
+from . import heap
 from .block_manager import BlockManager
 from .calibration import calibrate
 from .detokenizer import Detokenizer
@@ -92,6 +93,8 @@ class LLMEngine:
         self.healthy = True
         self.error: str | None = None
         self.calibration = calibrate(self)  # cost model of this deployment (cfg.calibrate)
+        if cfg.gc_freeze:  # built: what start-up left alive is out of every collection's way
+            heap.freeze()
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -243,6 +246,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the workers (idempotent); steps after it fail every request."""
         self.executor.shutdown()
+        if self.cfg.gc_freeze:  # what the engine held in cycles can be collected again
+            heap.release()
 
 
 def _cost_kind(kinds: set[RowKind]) -> str:

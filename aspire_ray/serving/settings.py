@@ -54,6 +54,9 @@ class EngineArgs(BaseModel):
     # tp_size > 1 on GPUs: every shard replays CUDA graphs with the collectives inside
     # (EngineConfig.tp_cuda_graphs, issue 17). None: the engine's default (off).
     tp_cuda_graphs: bool | None = None
+    # Freeze the Python heap once the engine is built, out of the garbage collector's way
+    # (EngineConfig.gc_freeze). None: the engine's default (on).
+    gc_freeze: bool | None = None
     # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
     spec_options: dict[str, Any] = Field(default_factory=dict)
 

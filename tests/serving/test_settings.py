@@ -124,3 +124,6 @@ def test_engine_switches_reach_the_engine_config():
     on = AppArgs.model_validate({"engine": {"tp_cuda_graphs": True, "deterministic": True}})
     cfg = on.engine.to_engine_config()
     assert cfg.tp_cuda_graphs and cfg.deterministic
+    assert AppArgs.model_validate({}).engine.to_engine_config().gc_freeze is True  # on unless
+    off = AppArgs.model_validate({"engine": {"gc_freeze": False}})  # switched off
+    assert off.engine.to_engine_config().gc_freeze is False
