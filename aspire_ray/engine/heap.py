@@ -15,12 +15,19 @@ and with it the KV pool) is collected again.
 
 from __future__ import annotations
 
+import atexit
 import gc
+
+_at_exit = False  # the exit hook is registered
 
 
 def freeze() -> None:
     """Freeze what is alive (O(1): no collection first; garbage in cycles frozen with it waits
-    for ``release``, the engine's lifetime at most)."""
+    for ``release``, the engine's lifetime at most, or the interpreter's exit)."""
+    global _at_exit
+    if not _at_exit:  # an engine never shut down: its objects finalized at exit as before
+        atexit.register(gc.unfreeze)  # (else nanobind reports Triton's objects as leaked)
+        _at_exit = True
     gc.freeze()
 
 
