@@ -76,6 +76,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "det": {"deterministic": True},
     # tp > 1: the shards replay CUDA graphs with the collectives inside (issue 17)
     "tpgraphs": {"tp_cuda_graphs": True},
+    # Python's heap not frozen once the engine is built: garbage collections walk it
+    # (EngineConfig.gc_freeze, engine/heap.py)
+    "nogcfreeze": {"gc_freeze": False},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)
