@@ -14,6 +14,8 @@
 # Runs (results under $OUT, the log's tail printed):
 #   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
+#   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
+#     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
 #   bash scripts/gpu_runs.sh tp TARGET [MODES] [BATCHES] [CONTEXT] [MAX_TOKENS] [EXTRA...]
 #     (bench_tp.py, TP=1 vs TP=2, one process per mode and TP; TARGET a bench_tp shape such
@@ -88,6 +90,11 @@ print('alias ->', r('qwen2.5-coder-1.5b-instruct'))" ;;
   floor)
     run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$1" \
       --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;
+  gaps)
+    run_logged gaps python3 scripts/bench_floor.py --model "$MODEL" --modes "${1:-aspire/q4}" \
+      --context 30000 --batch 64 --steps 30 --warmup 6 --profile-steps "${2:-6}" --gap-hosts \
+      --out "$OUT/gaps.json"
+    grep -A45 "## host during" "$OUT/gaps.log" | head -120 ;;
   serve)
     run_logged serve python3 scripts/bench_serve.py --model "$MODEL" --device cuda \
       --dtype bfloat16 --spec-mode "$1" --engine-driver "$2" --num-prompts "${3:-64}" \
