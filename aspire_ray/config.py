@@ -349,7 +349,7 @@ class EngineConfig:
     # query alone). Greedy output of every speculative mode then equals `ar`'s in bf16 too.
     deterministic: bool = False
     # Freeze Python's heap once the engine is built (engine/heap.py): no garbage collection
-    # then visits the ~200k objects of start-up, ~100 ms between two plans when one did.
+    # then visits the ~200k objects of start-up (~100 ms between two plans when one did, a CPU).
     gc_freeze: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

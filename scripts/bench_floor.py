@@ -173,13 +173,14 @@ def gpu_idle(engine, rec: Recorder, steps: int, stacks: bool = False) -> list[di
         if e.name() == STEP_LABEL and e.device_type() == torch.autograd.DeviceType.CPU
     )
     # device events, without the GPU-side copies of the annotations (they span whole steps)
-    busy = [
-        (e.start_ns(), e.end_ns())
+    device = [
+        (e.start_ns(), e.end_ns(), e.name())
         for e in events
         if e.device_type() == torch.autograd.DeviceType.CUDA
         and e.name() != STEP_LABEL
         and not e.is_user_annotation()
     ]
+    busy = [(s, e) for s, e, _ in device]
     bounds = [*(s for s, _ in marks), marks[-1][1]]
     gaps = [idle_gaps(busy, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     windows = idle_per_step([s for s, _ in marks], marks[-1][1], busy)
@@ -188,7 +189,7 @@ def gpu_idle(engine, rec: Recorder, steps: int, stacks: bool = False) -> list[di
     kernels = kernel_times(events, [s for s, _ in marks], step_kinds)
     if stacks:  # a diagnosis: its failure must not lose the run's figures
         try:
-            gap_hosts(events, busy, bounds, sum(k for kind, k in step_kinds if kind is not None))
+            gap_hosts(events, device, bounds, sum(k for kind, k in step_kinds if kind is not None))
         except Exception as e:  # noqa: BLE001
             print(f"## host during GPU idle gaps: not reported ({e!r})", file=sys.stderr)
     windows = [w for w, r in zip(windows, ran, strict=True) if r]
@@ -203,17 +204,18 @@ def gpu_idle(engine, rec: Recorder, steps: int, stacks: bool = False) -> list[di
     return out
 
 
-def gap_hosts(events, busy: list[tuple[int, int]], bounds: list[int], steps: int) -> None:
-    """Print what the host ran while the GPU sat idle for over 100 us in the profiled steps:
-    per Python function or CUDA runtime call (innermost, the main thread), ms per decode step;
-    then the same over this repository's functions only."""
-    marks = [e for e in events if e.name() == STEP_LABEL
-             and e.device_type() == torch.autograd.DeviceType.CPU]  # fmt: skip
-    main = {e.start_thread_id() for e in marks}
+def gap_hosts(events, device: list[tuple[int, int, str]], bounds: list[int], steps: int) -> None:
+    """Print what the host ran while the GPU sat idle for over 100 us in the profiled steps
+    (device: the GPU's work, (start, end, name)): per Python function or CUDA runtime call
+    (innermost, the main thread), ms per decode step; the same over this repository's
+    functions only; the kernels on either side of the gaps."""
+    main = {e.start_thread_id() for e in events if e.name() == STEP_LABEL
+            and e.device_type() == torch.autograd.DeviceType.CPU}  # fmt: skip
     host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU
             and (is_python_function(e) or e.name().startswith("cuda"))]  # fmt: skip
     mine = [e for e in host if e.start_thread_id() in main] or host
     spans = [(e.start_ns(), e.end_ns(), e.name()[:100]) for e in mine]
+    busy = [(s, e) for s, e, _ in device]
     gaps = [g for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
             for g in long_gaps(busy, lo, hi)]  # fmt: skip
     total = sum(g1 - g0 for g0, g1 in gaps)
@@ -224,13 +226,10 @@ def gap_hosts(events, busy: list[tuple[int, int]], bounds: list[int], steps: int
         print(f"# {title} functions, ms per decode step", file=sys.stderr)
         for name, ns in list(host_at_gaps(gaps, chosen).items())[:25]:
             print(f"{ns / 1e6 / max(steps, 1):8.3f}  {name}", file=sys.stderr)
-    kernels = [(e.start_ns(), e.end_ns(), e.name()[:60]) for e in events
-               if e.device_type() == torch.autograd.DeviceType.CUDA
-               and e.name() != STEP_LABEL and not e.is_user_annotation()]  # fmt: skip
     print("# GPU work before and after the gaps (gaps: kernel before -> kernel after)",
           file=sys.stderr)  # fmt: skip
-    for (before, after), n in list(gap_borders(gaps, kernels).items())[:12]:
-        print(f"{n:5d}  {before} -> {after}", file=sys.stderr)
+    for (before, after), n in list(gap_borders(gaps, device).items())[:12]:
+        print(f"{n:5d}  {before[:60]} -> {after[:60]}", file=sys.stderr)
 
 
 def is_python_function(event) -> bool:

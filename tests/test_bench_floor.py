@@ -121,12 +121,13 @@ def test_gap_hosts_names_the_host_function_of_an_idle_gap(capsys):
                   _Event("aten::add", 100_000, 700_000),  # an op: not a host span here
                   _Event("aspire_ray/x.py(1): elsewhere", 0, 1_000_000, thread=2)]  # fmt: skip
         # the GPU busy [0, 10 us) and [800 us, 1 ms): idle [10, 800) us, one plan of 4 steps
-        bf.gap_hosts(events, [(0, 10_000), (800_000, 1_000_000)], [0, 1_000_000], steps=4)
+        bf.gap_hosts(events, [(0, 10_000, "plan"), (800_000, 1_000_000, "attn")],
+                     [0, 1_000_000], steps=4)
     err = capsys.readouterr().err
     assert "1 gaps, 0.198 ms per decode step" in err
     assert "   0.150  aspire_ray/engine/scheduler.py(129): schedule" in err  # 600 us / 4
     assert "   0.018  cudaEventSynchronize" in err and "elsewhere" not in err
-    assert "    1  - -> -" in err  # no GPU events given: no kernel either side
+    assert "    1  plan -> attn" in err  # the kernels on either side of the gap
 
 
 def test_summarize():

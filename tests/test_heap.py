@@ -16,16 +16,14 @@ class _Cycle:
 
 def test_the_built_engine_is_frozen_and_released_at_shutdown(tiny_model_dir):
     gc.unfreeze()
+    held = _Cycle()  # alive when the engine is built: frozen with the start-up heap
+    ref = weakref.ref(held)
     llm = LLM(model=tiny_model_dir("llama"), calibrate="off", num_pages=64)
     try:
         assert gc.get_freeze_count() > 1000  # the start-up heap: out of every collection
-        # what the engine holds in a cycle is frozen with it
-        held = _Cycle()
-        gc.freeze()
-        ref = weakref.ref(held)
         del held
         gc.collect()
-        assert ref() is not None  # frozen: no collection frees it
+        assert ref() is not None  # frozen by the engine: no collection frees it
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0,
                                                        ignore_eos=True))  # fmt: skip
         assert len(out[0].token_ids) == 4

@@ -3,8 +3,9 @@
 A collection of the oldest generation visits every tracked object: after start-up ~200k of
 them (torch, transformers, the model's modules, the graphs), ~100 ms of host time that falls
 between a plan's tokens and the next plan's launch, when it falls in a step. Measured on the
-simulator's engine (64 requests x 32k tokens, steady decode, this CPU): one such collection in
-56 plans, 2.45 ms of collections a plan on average; with the start-up heap frozen, 0.7 ms.
+simulator's engine (64 requests x 32k tokens, steady decode, a CPU; scripts/bench_engine_host.py):
+2.3 ms of collections a plan on average, the longest 101 ms; with the start-up heap frozen,
+0.7 ms, the longest 10 ms.
 
 ``freeze``: once the engine is built, what is alive moves to the permanent generation
 (``gc.freeze``), which no collection visits (vLLM freezes its start-up heap too). Reference
