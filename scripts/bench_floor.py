@@ -132,7 +132,8 @@ class StepBytes:
             steps = [[r._replace(run_step=-1) for r in rows if r.run_step == i]
                      for i in range(max(r.run_step for r in rows) + 1)]  # fmt: skip
             per_step = [self(step) for step in steps]
-            return {key: sum(b[key] for b in per_step) for key in per_step[0]}
+            # a step's mean, as its wall time is (run_mode: the plan's over its steps)
+            return {key: sum(b[key] for b in per_step) / len(per_step) for key in per_step[0]}
         if any(r.in_round for r in rows):  # k draft steps, then the verify step
             drafts = [r._replace(in_round=False) for r in rows if r.kind == "draft"]
             verifies = [r._replace(in_round=False) for r in rows if r.kind == "verify"]

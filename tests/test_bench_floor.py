@@ -164,17 +164,19 @@ def test_script_runs_on_cpu(tmp_path):
     # noround: draft steps of their own (rounds in one plan, the default, are one step kind)
     assert set(by_mode) == {"ar", "aspire_fixed/noround", "aspire"}
     assert "draft" in by_mode["aspire_fixed/noround"]["kinds"]
-    # aspire's asynchronous runs: bytes per step of the run, every step reads the weights
+    # aspire's asynchronous runs: bytes of a step of the run (their mean, as the wall time is),
+    # every step reads the weights
     runs = [s for s in by_mode["aspire"]["steps"] if s["kind"] == "async"]
     assert runs and all(s["rows"] <= 2 for s in runs)
     one_step = by_mode["ar"]["steps"][0]["bytes"]["weights"]
     for s in runs:
-        assert s["bytes"]["weights"] >= s["chain"] * one_step
+        assert s["chain"] > 1 and one_step <= s["bytes"]["weights"] < 2 * one_step
     bw = report["bandwidth"]["bytes_per_s"]
     page = fr.page_bytes(16, kv_heads=2, head_dim=32, elem=4)  # tiny-qwen3, fp32
     for r in report["results"]:
         for s in r["steps"]:
-            assert s["bytes"]["kv"] % page == 0 and s["bytes"]["kv"] > 0
+            whole = s["bytes"]["kv"] * (s["chain"] if s["kind"] == "async" else 1)
+            assert round(whole) % page == 0 and s["bytes"]["kv"] > 0
         for k in r["kinds"].values():
             assert k["ratio"] == pytest.approx(k["wall_ms"] / (1e3 * k["bytes"]["total"] / bw))
     # an `ar` row at >= 201 tokens reads all of its >= 13 pages in all 4 layers
