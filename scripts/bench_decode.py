@@ -19,11 +19,13 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import random
 import re
 import statistics
 import sys
 import time
+import warnings
 
 from bench_tp import SHAPES
 from traces import TraceRecorder, Traces, engine_meta
@@ -166,7 +168,7 @@ def prefill_batch(engine, prompts: list[list[int]],
 
 
 def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               desc: str, window: str = "steady") -> dict:  # fmt: skip
+               desc: str, window: str = "steady", diagnose: bool = False) -> dict:  # fmt: skip
     """Prefill everything, then time the decode phase.
 
     window "steady": the clock stops when the first request finishes, so every row of the
@@ -175,6 +177,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     speculative requests finish at different times while `ar` requests finish together).
     "drain": the clock stops when the last request finishes. Either way every request runs to
     the end (acceptance and greedy-match statistics cover whole outputs).
+    diagnose: over the window, time every graph replay on the GPU and log synchronizing CUDA
+    calls (``Diagnosis``; slows the host a little, so not for the figures themselves).
     """
     engine = llm.engine
     each = params if isinstance(params, list) else [params] * len(prompts)
@@ -182,6 +186,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     graphs_before, process_before = _graph_counters(engine), process_counters()
     committed_before = _committed(engine, finished)
+    diagnosis = Diagnosis(engine) if diagnose else None
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
     t0 = time.perf_counter()
@@ -194,6 +199,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
             elapsed = time.perf_counter() - t0
             committed, after = _committed(engine, finished), engine.stats()
             graphs_after, process_after = _graph_counters(engine), process_counters()
+            diagnosed = diagnosis.stop() if diagnosis else None
         if bar is not None:
             bar.n = _committed(engine, finished)
             bar.refresh()
@@ -201,6 +207,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         elapsed = time.perf_counter() - t0
         committed, after = _committed(engine, finished), engine.stats()
         graphs_after, process_after = _graph_counters(engine), process_counters()
+        diagnosed = diagnosis.stop() if diagnosis else None
     if bar is not None:
         bar.close()
     outs = [finished[r] for r in ids]
@@ -212,6 +219,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     # and their seconds, the CUDA caching allocator's cudaMalloc / cudaFree calls and its
     # retries (a failed cudaMalloc frees the cache after syncing every stream)
     breakdown["process"] = {k: v - process_before.get(k, 0) for k, v in process_after.items()}
+    if diagnosed is not None:
+        breakdown.update(diagnosed)
     return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
             "breakdown": breakdown}
 
@@ -255,10 +264,58 @@ def process_counters() -> dict[str, float]:
 
 def _graph_counters(engine) -> dict[str, int]:
     """The in-process worker's ``graph_counters`` (tp 1), rank 0's at tp > 1."""
+    return _worker_call(engine, "graph_counters", default={})
+
+
+def _worker_call(engine, name: str, *args, default=None):
+    """Worker method ``name`` on the in-process worker (tp 1), or rank 0's at tp > 1."""
     ex = engine.executor
     if hasattr(ex, "worker"):
-        return ex.worker.graph_counters()
-    return ex.call_ranks("graph_counters")[0] if hasattr(ex, "call_ranks") else {}
+        return getattr(ex.worker, name)(*args)
+    return ex.call_ranks(name, *args)[0] if hasattr(ex, "call_ranks") else default
+
+
+class Diagnosis:
+    """Where a decode window's GPU time goes, measured without the profiler: the worker's
+    graph clock (``graph_clock.py``: each graph replay timed on the GPU, the idle between
+    replays by the phases either side; rank 0's) and, with the worker in this process, the
+    CUDA calls that synchronized the host with the device (``torch.cuda.set_sync_debug_mode``
+    warnings, counted by the Python line that made them; the plan's intended wait, an event
+    sync, is not one of them)."""
+
+    def __init__(self, engine) -> None:
+        import torch
+
+        self.engine = engine
+        self.cuda = torch.cuda.is_available() and engine.cfg.device.startswith("cuda")
+        self._warnings = None
+        if self.cuda and hasattr(engine.executor, "worker"):
+            self._warnings = warnings.catch_warnings(record=True)
+            self.log = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        _worker_call(engine, "graph_clock", True)
+
+    def stop(self) -> dict:
+        import torch
+
+        out = {"gpu_clock": _worker_call(self.engine, "graph_clock", False)}
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(None, None, None)
+            out["syncs"] = sync_sites(self.log)
+        return out
+
+
+def sync_sites(log: list) -> dict[str, int]:
+    """Synchronizing-call warnings (``warnings.WarningMessage``) -> count by "file:line",
+    most first (other warnings are left out)."""
+    sites: dict[str, int] = {}
+    for w in log:
+        if "synchroniz" in str(w.message):
+            site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
 def _diff(after: dict, before: dict) -> dict:
@@ -344,6 +401,10 @@ def main() -> None:
     p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
                    help="random weights of this architecture, random-token prompts")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--diagnose", action="store_true",
+                   help="time each graph replay on the GPU (idle between replays, by phase) and "
+                        "log synchronizing CUDA calls over each window: breakdown.gpu_clock, "
+                        "breakdown.syncs")
     p.add_argument("--window", choices=("steady", "drain"), default="steady",
                    help="stop the clock when the first (steady) or last (drain) request finishes")
     p.add_argument("--out", default=None)
@@ -407,7 +468,7 @@ def main() -> None:
             for rep in range(args.repeats):
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
-                                                 args.window))
+                                                 args.window, args.diagnose))
                 per_mode[mode][-1]["domains"] = domains
                 run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
                 print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s",

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
+#   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH]   (GPU idle without the profiler:
+#     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
 #   bash scripts/gpu_runs.sh tp TARGET [MODES] [BATCHES] [CONTEXT] [MAX_TOKENS] [EXTRA...]
 #     (bench_tp.py, TP=1 vs TP=2, one process per mode and TP; TARGET a bench_tp shape such
@@ -87,6 +89,22 @@ print('alias ->', r('qwen2.5-coder-1.5b-instruct'))" ;;
     run_logged sweep python3 scripts/bench_decode.py --model "$MODEL" --contexts "$contexts" \
       --batch "$batch" --max-tokens "$new" --repeats "$repeats" --modes "$modes" \
       --out "$OUT/sweep.json" "$@" ;;
+  diag)  # where the GPU idles in a decode window, no profiler: graph clock + sync log
+    run_logged diag python3 scripts/bench_decode.py --model "$MODEL" --contexts "${2:-32000}" \
+      --batch "${3:-64}" --max-tokens 128 --modes "${1:-ar,aspire/q4,aspire_fixed/g8}" \
+      --diagnose --out "$OUT/diag.json"
+    python3 - "$OUT/diag.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    b, c = r["breakdown"], r["breakdown"].get("gpu_clock") or {}
+    print(f"{r['mode']}: {r['tokens_per_s']:.0f} tok/s; replays {c.get('replays')}, busy "
+          f"{c.get('busy_ms', 0):.1f} ms, gaps {c.get('gap_ms', 0):.1f} ms "
+          f"({100 * c.get('idle_frac', 0):.1f}%)")
+    for k, v in list(c.get("between", {}).items())[:6]:
+        print(f"   {k}: {v['count']} gaps, {v['ms']:.2f} ms, max {v['max_ms']:.3f} ms")
+    print("   syncs:", b.get("syncs"))
+PY
+    ;;
   floor)
     run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$1" \
       --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;

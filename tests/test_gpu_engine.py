@@ -9,14 +9,17 @@ the same fp32 tokens as the eager forward.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from helpers import random_prompts, run_staggered
+from helpers import random_prompts, run_staggered, scripts_imported
 
 from aspire_ray import SamplingParams
 from aspire_ray.config import SPEC_MODES
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
+from aspire_ray.worker.graph_clock import CLOCK
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -138,6 +141,51 @@ def test_decode_chains_started_early_on_gpu():
     graphs = _run.last_worker.draft_graphs
     assert overlapped == _run("ar", "float32", max_tokens=96, ar_overlap=False)
     assert graphs.chains_continued >= 3, (graphs.chains_started, graphs.chains_continued)
+
+
+# the modules of the greedy graph runs: a plan's one wait is an event sync behind its own steps
+GRAPH_RUN_MODULES = ("async_runs.py", "async_graphs.py", "decode_chains.py", "round_runs.py",
+                     "draft_graphs.py", "verify_graphs.py", "device_result.py", "page_table.py",
+                     "draft_pages.py", "step_rows.py", "host.py")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire_fixed", "aspire"])
+def test_greedy_graph_runs_never_sync_the_host(mode):
+    # a synchronizing call in a graph run's path (a copy from pageable memory such as
+    # torch.tensor(..., device=cuda), .item(), a blocking copy) also waits for the steps
+    # started early for the next plan: the GPU then idles while the host plans. The debug mode
+    # warns at each one, from the Python line that made it (prefills' eager steps sync in
+    # worker.py; they are not graph runs)
+    with scripts_imported("bench_decode") as (bd,), warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _run(mode, "float32", max_tokens=96)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        sites = bd.sync_sites(log)
+    bad = {site: n for site, n in sites.items()
+           if site.split(":")[0].endswith(GRAPH_RUN_MODULES)}  # fmt: skip
+    assert not bad, bad
+    counters = _run.last_worker.graph_counters()
+    continued = {"ar": "chains_continued", "aspire_fixed": "rounds_continued",
+                 "aspire": "runs_continued"}[mode]  # fmt: skip
+    assert counters[continued] >= 3, counters
+
+
+def test_graph_clock_times_replays_on_gpu():
+    # every replay bracketed on the GPU's clock (the engine's warm-up included, phase
+    # "other"): busy and idle add up to the span, the asynchronous runs' phases are named
+    CLOCK.start()
+    try:
+        _run("aspire", "float32", max_tokens=96)
+    finally:
+        clock = _run.last_worker.graph_clock(False)
+    assert clock["replays"] > 0 and clock["dropped"] == 0 and clock["busy_ms"] > 0
+    assert clock["busy_ms"] + clock["gap_ms"] == pytest.approx(clock["span_ms"], rel=1e-6)
+    phases = clock["by_phase"]
+    assert {"async:run", "async:early", "async:continue"} <= set(phases), phases
+    assert phases["async:continue"]["replays"] >= 3 * 12  # runs of 16 steps, 4 started early
 
 
 @pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])

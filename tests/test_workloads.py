@@ -85,9 +85,16 @@ def test_bench_decode_records_traces(tmp_path):
     cmd = [sys.executable, str(SCRIPTS / "bench_decode.py"), "--device", "cpu", "--dtype",
            "float32", "--dummy-shapes", "tiny-qwen3", "--contexts", "200", "--batch", "2",
            "--max-tokens", "10", "--modes", "ar,aspire_fixed", "--gamma", "3",
-           "--record-traces", str(path), "--out", str(tmp_path / "bench.json")]  # fmt: skip
+           "--record-traces", str(path), "--out", str(tmp_path / "bench.json"),
+           "--diagnose"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for result in json.loads((tmp_path / "bench.json").read_text())["results"]:
+        # --diagnose: the graph clock's summary (nothing timed off the GPU), no sync log (the
+        # debug mode is CUDA's)
+        clock = result["breakdown"]["gpu_clock"]
+        assert clock["replays"] == 0 and clock["busy_ms"] == 0, clock
+        assert "syncs" not in result["breakdown"]
     data = json.loads(path.read_text())
     assert data["format"] == "aspire-ray-traces/1" and set(data["modes"]) == {"ar", "aspire_fixed"}
     assert data["modes"]["aspire_fixed"]["gamma"] == 3 and data["meta"]["num_layers"] == 4

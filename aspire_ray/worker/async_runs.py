@@ -28,6 +28,7 @@ from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
 from . import rejection_sampler
 from .device_result import DeviceResult
+from .graph_clock import CLOCK
 
 
 class AsyncTrack:
@@ -156,17 +157,20 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     reqs = [worker.requests[row.req_id] for row in rows]
     started, graphs.started = graphs.started, None
     by_id = {row.req_id: r for r, row in enumerate(rows)}
-    continued = _continue(worker, started, rows, tracks, by_id, len(layout))
+    with CLOCK.phase("async:continue"):
+        continued = _continue(worker, started, rows, tracks, by_id, len(layout))
     if continued is not None:
         outs, layouts, row_ids, n = continued
     else:
-        outs = graphs.run(rows, [req.slot for req in reqs],
-                          [req.scored_pages > 0 for req in reqs], layout,
-                          worker.kv_caches)  # fmt: skip
+        with CLOCK.phase("async:run"):
+            outs = graphs.run(rows, [req.slot for req in reqs],
+                              [req.scored_pages > 0 for req in reqs], layout,
+                              worker.kv_caches)  # fmt: skip
         layouts, row_ids = layout, [row.req_id for row in rows]
         n = next(b for b in graphs.row_buckets if b >= len(rows))
     pending = DeviceResult(outs)
-    graphs.started = _start_next(worker, n, rows, tracks, by_id)
+    with CLOCK.phase("async:early"):
+        graphs.started = _start_next(worker, n, rows, tracks, by_id)
     flat, wait = pending.wait()
     at = 0
     for s, queries in enumerate(layouts):

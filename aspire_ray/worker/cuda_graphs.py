@@ -30,6 +30,7 @@ import torch
 from aspire_ray.attention import AttentionBackend
 from aspire_ray.model.decoder import DecoderModel
 
+from .graph_clock import CLOCK
 from .step_attention import StepAttention
 
 
@@ -60,7 +61,7 @@ class _CudaGraph:
         return out
 
     def replay(self) -> None:
-        self.graph.replay()
+        CLOCK.replay(self.graph)  # timed while the clock runs (benchmarks)
 
 
 class EagerGraph:

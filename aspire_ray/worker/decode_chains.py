@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from aspire_ray.kernels.host import upload
 from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec
 
 from .device_result import DeviceResult
+from .graph_clock import CLOCK
 
 
 @dataclass
@@ -75,17 +78,23 @@ def graph_decode_chain(worker: Any, rows: list[RowPlan], steps: int,
         n, live = started.n, {row.req_id for row in rows}
         graphs.stop_rows(n, [rid in live for rid in started.row_ids])  # finished rows stop
         row_ids = graphs.row_ids
-        at = torch.tensor([row_ids.index(row.req_id) for row in rows], device=worker.device)
+        # uploaded through pinned memory: torch.tensor(..., device=cuda) copies from pageable
+        # memory and syncs the stream, i.e. waits for the chain started early to finish
+        at = upload(np.array([row_ids.index(row.req_id) for row in rows], dtype=np.int64),
+                    worker.device)
         outs = [out.index_select(0, at) for out in started.outs]
         graphs.chains_continued += 1
     else:
-        outs, _ = graphs.run(rows, [req.sampling for req in reqs], [req.slot for req in reqs],
-                             [req.scored_pages > 0 for req in reqs], steps, worker.kv_caches,
-                             keep_q=False)  # fmt: skip
+        with CLOCK.phase("chain:run"):
+            outs, _ = graphs.run(rows, [req.sampling for req in reqs],
+                                 [req.slot for req in reqs],
+                                 [req.scored_pages > 0 for req in reqs], steps,
+                                 worker.kv_caches, keep_q=False)  # fmt: skip
         n, row_ids = graphs.bucket(len(rows)), [row.req_id for row in rows]
         graphs.row_ids = list(row_ids)
     pending = DeviceResult([torch.stack(outs, dim=1).flatten()])  # [R * steps], row-major
-    graphs.started = _start_next(worker, n, row_ids, rows, steps)
+    with CLOCK.phase("chain:early"):
+        graphs.started = _start_next(worker, n, row_ids, rows, steps)
     flat, wait = pending.wait()
     results = [RowResult(row.req_id, RowKind.VERIFY, flat[r * steps : (r + 1) * steps])
                for r, row in enumerate(rows)]  # fmt: skip

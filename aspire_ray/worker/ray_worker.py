@@ -100,6 +100,11 @@ class ShardWorker:
         """Debug: this rank's graph replays and early starts (``Worker.graph_counters``)."""
         return self.worker.graph_counters()
 
+    def graph_clock(self, start: bool) -> dict | None:
+        """Debug: start this rank's graph clock, or stop it and return its timeline summary
+        (``Worker.graph_clock``)."""
+        return self.worker.graph_clock(start)
+
     def ping(self) -> int:
         return self.rank
 

@@ -23,6 +23,7 @@ from aspire_ray.plan import RowKind, RowPlan, RowResult, SamplingSpec
 
 from . import rejection_sampler
 from .device_result import DeviceResult
+from .graph_clock import CLOCK
 
 
 @dataclass
@@ -71,16 +72,19 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
             and graphs.ready(started.n, steps, worker.kv_caches):  # fmt: skip
         n = started.n
         graphs.stop_rows(n, [rid in by_id for rid in started.row_ids])
-        outs = started.outs + graphs.replay_rounds(n, steps, rounds - 1)
+        with CLOCK.phase("round:continue"):
+            outs = started.outs + graphs.replay_rounds(n, steps, rounds - 1)
         row_ids = started.row_ids
         graphs.rounds_continued += 1
     else:
-        outs = graphs.run_rounds(rows, specs, [req.slot for req in reqs],
-                                 [req.scored_pages > 0 for req in reqs], steps, rounds,
-                                 worker.kv_caches)  # fmt: skip
+        with CLOCK.phase("round:run"):
+            outs = graphs.run_rounds(rows, specs, [req.slot for req in reqs],
+                                     [req.scored_pages > 0 for req in reqs], steps, rounds,
+                                     worker.kv_caches)  # fmt: skip
         n, row_ids = graphs.bucket(len(rows)), [row.req_id for row in rows]
     pending = DeviceResult(outs)
-    graphs.started = _start_next(worker, n, rows, steps, rounds)
+    with CLOCK.phase("round:early"):
+        graphs.started = _start_next(worker, n, rows, steps, rounds)
     flat, wait = pending.wait()
     width, d = len(row_ids) * (2 * steps + 1), len(row_ids) * steps
     at = {row.req_id: row_ids.index(row.req_id) for row in rows}  # device row of each row

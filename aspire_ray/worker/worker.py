@@ -44,6 +44,7 @@ from .cuda_graphs import PiecewiseGraphs
 from .decode_chains import StartedChain, graph_decode_chain, runs_on_graphs
 from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
+from .graph_clock import CLOCK
 from .model_loading import DTYPES, build_model
 from .page_selector import FullPages, make_selector
 from .page_table import PageTable
@@ -209,6 +210,14 @@ class Worker:
     @property
     def num_pages(self) -> int:
         return self.kv_caches[0].shape[0]
+
+    def graph_clock(self, start: bool) -> dict | None:
+        """Benchmarks: start timing every graph replay on the GPU (start=True; None), or stop
+        and return where the GPU idled between replays (``graph_clock.summarize``)."""
+        if start:
+            CLOCK.start()
+            return None
+        return CLOCK.collect()
 
     def graph_counters(self) -> dict[str, int]:
         """Counts so far (tests, benchmarks): forwards replayed whole as one graph, by graph

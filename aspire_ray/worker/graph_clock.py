@@ -1,0 +1,117 @@
+"""The GPU's timeline of CUDA graph replays, without the profiler (benchmarks, diagnosis).
+
+The question it answers: where does the GPU sit idle in a decode phase whose steps are all
+graph replays, and at which point of a plan (inside a run, or where one plan's steps end and
+the next plan's begin)? The profiler answers it too, but slows the host it is asked about and
+may drop events in long windows. Here each replay is bracketed by two timing events on its
+stream (~2 us of GPU time each); ``collect`` reads them once, after one sync, as intervals on
+the GPU's clock. Between two replays the GPU either idled or ran the few small kernels a plan
+issues outside its graphs (uploads, copies of the tokens): both count as the gap.
+
+Callers name the phase their replays belong to (``phase("async:continue")``), so a gap is
+known by the phases on its two sides: "async:early -> async:continue" is the plan boundary
+of an asynchronous run that the next plan continued.
+
+One clock per process (a shard's), off until ``start``; replays cost one branch while it is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+# gap buckets by upper bound in ms (None: longer)
+GAP_BUCKETS: tuple[float | None, ...] = (0.01, 0.1, 1.0, None)
+MAX_REPLAYS = 50_000  # events beyond this many replays are not recorded (memory)
+
+
+class GraphClock:
+    def __init__(self) -> None:
+        self.enabled = False
+        self._phase = "other"
+        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
+        self.dropped = 0  # replays past MAX_REPLAYS
+
+    def start(self) -> None:
+        """Record from now on (CUDA only; forgets what was recorded before)."""
+        self._marks, self.dropped = [], 0
+        self.enabled = torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Replays inside belong to ``name``."""
+        outer, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = outer
+
+    def replay(self, graph) -> None:
+        """graph.replay(), bracketed by timing events while the clock runs."""
+        if not self.enabled:
+            graph.replay()
+            return
+        if len(self._marks) >= MAX_REPLAYS:
+            self.dropped += 1
+            graph.replay()
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        self._marks.append((begin, end, self._phase))
+
+    def collect(self) -> dict:
+        """Stop; one device sync; -> ``summarize`` of the recorded replays."""
+        marks, self._marks, self.enabled = self._marks, [], False
+        if not marks:
+            return summarize([]) | {"dropped": self.dropped}
+        torch.cuda.synchronize()
+        origin = marks[0][0]
+        intervals = [(origin.elapsed_time(b), origin.elapsed_time(e), phase)
+                     for b, e, phase in marks]  # fmt: skip
+        return summarize(intervals) | {"dropped": self.dropped}
+
+
+def summarize(intervals: Sequence[tuple[float, float, str]], longest: int = 8) -> dict:
+    """Replays as (begin ms, end ms, phase), in launch order on one stream -> the GPU's busy
+    time in replays and its gaps between them: in all, by bucket (``GAP_BUCKETS``), by the
+    phases either side ("before -> after"), busy by phase, and the longest gaps."""
+    busy = sum(e - b for b, e, _ in intervals)
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    buckets = [{"upto_ms": hi, "count": 0, "ms": 0.0} for hi in GAP_BUCKETS]
+    between: dict[str, dict] = {}
+    by_phase: dict[str, dict] = {}
+    gaps = []
+    for i, (b, e, phase) in enumerate(intervals):
+        mine = by_phase.setdefault(phase, {"replays": 0, "busy_ms": 0.0})
+        mine["replays"] += 1
+        mine["busy_ms"] += e - b
+        if i == 0:
+            continue
+        prev_end, prev_phase = intervals[i - 1][1], intervals[i - 1][2]
+        gap = max(b - prev_end, 0.0)
+        bucket = next(k for k in buckets if k["upto_ms"] is None or gap <= k["upto_ms"])
+        bucket["count"] += 1
+        bucket["ms"] += gap
+        key = f"{prev_phase} -> {phase}"
+        pair = between.setdefault(key, {"count": 0, "ms": 0.0, "max_ms": 0.0})
+        pair["count"] += 1
+        pair["ms"] += gap
+        pair["max_ms"] = max(pair["max_ms"], gap)
+        gaps.append((gap, i, key))
+    gaps.sort(reverse=True)
+    return {
+        "replays": len(intervals), "span_ms": span, "busy_ms": busy,
+        "gap_ms": span - busy if intervals else 0.0,
+        "idle_frac": (span - busy) / span if span > 0 else 0.0,
+        "gaps": buckets,
+        "between": dict(sorted(between.items(), key=lambda kv: -kv[1]["ms"])),
+        "by_phase": by_phase,
+        "longest": [{"ms": g, "replay": i, "between": key} for g, i, key in gaps[:longest]],
+    }
+
+
+CLOCK = GraphClock()  # this process's

@@ -1,0 +1,73 @@
+"""The graph clock's arithmetic (aspire_ray/worker/graph_clock.py) and bench_decode's sync log;
+on a GPU (tests/test_gpu_engine.py) the clock times real replays and the graph-run paths are
+checked for synchronizing calls."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import scripts_imported
+
+from aspire_ray.worker.graph_clock import GraphClock, summarize
+
+
+def test_summarize_splits_busy_and_gaps_by_phase():
+    # a run continued (3 steps of 3 ms), 4 steps started early, then the next plan's
+    # continuation 5 ms after the early steps ended: the plan boundary's idle
+    intervals = [(0.0, 3.0, "async:continue"), (3.005, 6.0, "async:continue"),
+                 (6.05, 9.0, "async:early"), (14.0, 17.0, "async:continue")]  # fmt: skip
+    s = summarize(intervals)
+    assert s["replays"] == 4 and s["span_ms"] == 17.0
+    assert s["busy_ms"] == pytest.approx(11.945)
+    assert s["gap_ms"] == pytest.approx(5.055)
+    assert s["idle_frac"] == pytest.approx(5.055 / 17.0)
+    counts = {g["upto_ms"]: (g["count"], round(g["ms"], 6)) for g in s["gaps"]}
+    assert counts == {0.01: (1, 0.005), 0.1: (1, 0.05), 1.0: (0, 0.0), None: (1, 5.0)}
+    assert list(s["between"]) == ["async:early -> async:continue",  # most idle first
+                                  "async:continue -> async:early",
+                                  "async:continue -> async:continue"]  # fmt: skip
+    assert s["between"]["async:early -> async:continue"] == {"count": 1, "ms": 5.0, "max_ms": 5.0}
+    assert s["by_phase"]["async:continue"]["replays"] == 3
+    assert s["by_phase"]["async:early"]["busy_ms"] == pytest.approx(2.95)
+    assert s["longest"][0] == {"ms": 5.0, "replay": 3, "between": "async:early -> async:continue"}
+
+
+def test_summarize_of_nothing():
+    s = summarize([])
+    assert s["replays"] == 0 and s["busy_ms"] == 0 and s["gap_ms"] == 0 and s["longest"] == []
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's pass-through")
+def test_clock_off_the_gpu_passes_replays_through():
+    clock, graph = GraphClock(), _Graph()
+    clock.start()
+    assert not clock.enabled  # no CUDA: nothing to time
+    with clock.phase("async:run"):
+        with clock.phase("async:early"):
+            assert clock._phase == "async:early"
+            clock.replay(graph)
+        assert clock._phase == "async:run"
+    assert clock._phase == "other" and graph.replays == 1
+    assert clock.collect()["replays"] == 0
+
+
+def test_sync_sites_count_synchronizing_calls_by_line():
+    with scripts_imported("bench_decode") as (bd,):
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+        sites = bd.sync_sites(log)
+    assert len(sites) == 1 and list(sites.values()) == [2]
+    assert next(iter(sites)).split(":")[0].endswith("test_graph_clock.py")
