@@ -102,6 +102,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
           f"({100 * c.get('idle_frac', 0):.1f}%)")
     for k, v in list(c.get("between", {}).items())[:6]:
         print(f"   {k}: {v['count']} gaps, {v['ms']:.2f} ms, max {v['max_ms']:.3f} ms")
+    for k, v in c.get("host", {}).items():
+        print(f"   host at {k}: GPU work queued median {v['queued_ms_median']:.2f} ms "
+              f"(min {v['queued_ms_min']:.2f}, max {v['queued_ms_max']:.2f}; {v['count']})")
     print("   syncs:", b.get("syncs"))
 PY
     ;;

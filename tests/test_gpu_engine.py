@@ -186,6 +186,8 @@ def test_graph_clock_times_replays_on_gpu():
     phases = clock["by_phase"]
     assert {"async:run", "async:early", "async:continue"} <= set(phases), phases
     assert phases["async:continue"]["replays"] >= 3 * 12  # runs of 16 steps, 4 started early
+    host = clock["host"]  # the host's wait and launches, placed on the GPU's clock
+    assert host["async:woke"]["count"] >= 3 and host["async:launch"]["count"] >= 3, host
 
 
 @pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])

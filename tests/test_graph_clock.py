@@ -34,9 +34,24 @@ def test_summarize_splits_busy_and_gaps_by_phase():
     assert s["longest"][0] == {"ms": 5.0, "replay": 3, "between": "async:early -> async:continue"}
 
 
+def test_host_marks_tell_the_work_queued_on_the_gpu():
+    # the host woke 0.5 ms after the plan's last step ended (nothing started early: the GPU
+    # ran dry), then launched the next plan's steps 4 ms later; in another plan it woke with
+    # 6 ms of early steps still queued
+    intervals = [(0.0, 3.0, "async:run"), (3.0, 9.0, "async:run"), (14.0, 17.0, "async:run"),
+                 (17.0, 20.0, "async:early"), (20.0, 26.0, "async:early")]  # fmt: skip
+    host = [(9.5, "async:woke", 2), (13.0, "async:launch", 2), (14.5, "async:launch", 3),
+            (20.0, "async:woke", 5)]  # fmt: skip
+    q = summarize(intervals, host)["host"]
+    assert q["async:woke"] == {"count": 2, "queued_ms_median": 2.75, "queued_ms_min": -0.5,
+                               "queued_ms_max": 6.0}  # fmt: skip
+    assert q["async:launch"]["queued_ms_min"] == -4.0 and q["async:launch"]["queued_ms_max"] == 2.5
+
+
 def test_summarize_of_nothing():
     s = summarize([])
     assert s["replays"] == 0 and s["busy_ms"] == 0 and s["gap_ms"] == 0 and s["longest"] == []
+    assert s["host"] == {}
 
 
 class _Graph:

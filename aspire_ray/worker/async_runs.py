@@ -157,6 +157,7 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     reqs = [worker.requests[row.req_id] for row in rows]
     started, graphs.started = graphs.started, None
     by_id = {row.req_id: r for r, row in enumerate(rows)}
+    CLOCK.mark("async:launch")
     with CLOCK.phase("async:continue"):
         continued = _continue(worker, started, rows, tracks, by_id, len(layout))
     if continued is not None:
@@ -172,6 +173,7 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     with CLOCK.phase("async:early"):
         graphs.started = _start_next(worker, n, rows, tracks, by_id)
     flat, wait = pending.wait()
+    CLOCK.mark("async:woke")
     at = 0
     for s, queries in enumerate(layouts):
         for rid, q in zip(row_ids, queries, strict=False):

@@ -69,6 +69,7 @@ def graph_decode_chain(worker: Any, rows: list[RowPlan], steps: int,
     early, if any."""
     graphs, page_size = worker.draft_graphs, worker.page_size
     reqs = [worker.requests[row.req_id] for row in rows]
+    CLOCK.mark("chain:launch")
     for row, req in zip(rows, reqs, strict=True):
         if -(-(row.start_pos + steps) // page_size) > worker.page_table.sizes[req.slot]:
             raise RuntimeError(f"request {row.req_id}: {worker.page_table.sizes[req.slot]} "
@@ -96,6 +97,7 @@ def graph_decode_chain(worker: Any, rows: list[RowPlan], steps: int,
     with CLOCK.phase("chain:early"):
         graphs.started = _start_next(worker, n, row_ids, rows, steps)
     flat, wait = pending.wait()
+    CLOCK.mark("chain:woke")
     results = [RowResult(row.req_id, RowKind.VERIFY, flat[r * steps : (r + 1) * steps])
                for r, row in enumerate(rows)]  # fmt: skip
     if graphs.started is not None:

@@ -12,12 +12,21 @@ Callers name the phase their replays belong to (``phase("async:continue")``), so
 known by the phases on its two sides: "async:early -> async:continue" is the plan boundary
 of an asynchronous run that the next plan continued.
 
+The host marks moments of its own (``mark("async:woke")``: its wait for a plan's tokens
+returned); each is placed on the GPU's clock (one calibration at ``collect``, ~10 us) and told
+as the GPU work queued at that moment: the replays launched before it, less the time already
+run. Negative: the GPU had run dry that long before. At "async:woke", with the next run's
+steps started early, the queued work should be those steps; at "async:launch" (the next plan
+about to launch its steps) it is what the host's planning left of them.
+
 One clock per process (a shard's), off until ``start``; replays cost one branch while it is off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -32,12 +41,18 @@ class GraphClock:
         self.enabled = False
         self._phase = "other"
         self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
+        self._host: list[tuple[float, str, int]] = []  # (perf_counter s, name, replays before)
         self.dropped = 0  # replays past MAX_REPLAYS
 
     def start(self) -> None:
         """Record from now on (CUDA only; forgets what was recorded before)."""
-        self._marks, self.dropped = [], 0
+        self._marks, self._host, self.dropped = [], [], 0
         self.enabled = torch.cuda.is_available()
+
+    def mark(self, name: str) -> None:
+        """The host is at ``name`` now (``summarize``'s "host")."""
+        if self.enabled and len(self._marks) < MAX_REPLAYS:
+            self._host.append((time.perf_counter(), name, len(self._marks)))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -65,20 +80,31 @@ class GraphClock:
 
     def collect(self) -> dict:
         """Stop; one device sync; -> ``summarize`` of the recorded replays."""
-        marks, self._marks, self.enabled = self._marks, [], False
+        marks, host, self._marks, self._host = self._marks, self._host, [], []
+        self.enabled = False
         if not marks:
             return summarize([]) | {"dropped": self.dropped}
         torch.cuda.synchronize()
         origin = marks[0][0]
         intervals = [(origin.elapsed_time(b), origin.elapsed_time(e), phase)
                      for b, e, phase in marks]  # fmt: skip
-        return summarize(intervals) | {"dropped": self.dropped}
+        # the host's clock on the GPU's: an event recorded on an idle GPU runs at once
+        probe = torch.cuda.Event(enable_timing=True)
+        now = time.perf_counter()
+        probe.record()
+        probe.synchronize()
+        offset = 1e3 * now - origin.elapsed_time(probe)  # host ms - GPU ms
+        at = [(1e3 * t - offset, name, before) for t, name, before in host]
+        return summarize(intervals, at) | {"dropped": self.dropped}
 
 
-def summarize(intervals: Sequence[tuple[float, float, str]], longest: int = 8) -> dict:
+def summarize(intervals: Sequence[tuple[float, float, str]],
+              host: Sequence[tuple[float, str, int]] = (), longest: int = 8) -> dict:
     """Replays as (begin ms, end ms, phase), in launch order on one stream -> the GPU's busy
     time in replays and its gaps between them: in all, by bucket (``GAP_BUCKETS``), by the
-    phases either side ("before -> after"), busy by phase, and the longest gaps."""
+    phases either side ("before -> after"), busy by phase, and the longest gaps. host: marks
+    as (ms on the same clock, name, replays launched before it) -> per name the GPU work
+    queued at the mark (``queued_at``)."""
     busy = sum(e - b for b, e, _ in intervals)
     span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
     buckets = [{"upto_ms": hi, "count": 0, "ms": 0.0} for hi in GAP_BUCKETS]
@@ -111,7 +137,22 @@ def summarize(intervals: Sequence[tuple[float, float, str]], longest: int = 8) -
         "between": dict(sorted(between.items(), key=lambda kv: -kv[1]["ms"])),
         "by_phase": by_phase,
         "longest": [{"ms": g, "replay": i, "between": key} for g, i, key in gaps[:longest]],
+        "host": queued_at(intervals, host),
     }
+
+
+def queued_at(intervals: Sequence[tuple[float, float, str]],
+              host: Sequence[tuple[float, str, int]]) -> dict:  # fmt: skip
+    """Per mark name: count, and the median / min / max of the GPU work queued at the mark
+    (ms): the end of the last replay launched before it, less the mark's time (negative: the
+    GPU had been idle that long)."""
+    queued: dict[str, list[float]] = {}
+    for at, name, before in host:
+        if before > 0:
+            queued.setdefault(name, []).append(intervals[before - 1][1] - at)
+    return {name: {"count": len(q), "queued_ms_median": statistics.median(q),
+                   "queued_ms_min": min(q), "queued_ms_max": max(q)}
+            for name, q in queued.items()}  # fmt: skip
 
 
 CLOCK = GraphClock()  # this process's

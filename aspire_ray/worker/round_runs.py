@@ -62,6 +62,7 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
     started: the round the last plan started early, if any."""
     graphs = worker.draft_graphs
     reqs = [worker.requests[row.req_id] for row in rows]
+    CLOCK.mark("round:launch")
     for row, req in zip(rows, reqs, strict=True):
         end = row.start_pos + rounds * (steps + 1)  # every round accepting all
         if -(-end // worker.page_size) > worker.page_table.sizes[req.slot]:
@@ -86,6 +87,7 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
     with CLOCK.phase("round:early"):
         graphs.started = _start_next(worker, n, rows, steps, rounds)
     flat, wait = pending.wait()
+    CLOCK.mark("round:woke")
     width, d = len(row_ids) * (2 * steps + 1), len(row_ids) * steps
     at = {row.req_id: row_ids.index(row.req_id) for row in rows}  # device row of each row
     by_round: list[list[RowResult]] = []
