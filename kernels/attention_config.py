@@ -62,6 +62,17 @@ class AttentionConfig:
     # cap gains nothing (docs/benchmarks.md §8.24), so only the wide one is on by default.
     max_registers: int | None = None
     wide_max_registers: int | None = 168
+    # Rows of at least sdpa_min_queries queries (prefill chunks: compute-bound, where the paged
+    # kernel's decode-shaped tiles lose to a flash kernel) through torch's SDPA over their
+    # gathered K/V (``kernels/sdpa_rows.py``): "auto" on CUDA, "on" (tests on the CPU), "off".
+    # Never in a call that returns the log-sum-exp (the refresh layer's scoring) nor in the
+    # deterministic mode (a flash kernel's tiling follows its row's shape). Off by default
+    # until timed on a GPU (``scripts/bench_prefill.py``).
+    prefill_sdpa: str = "off"
+    sdpa_min_queries: int = 512
+    # Internal (set per call by ``paged_attention``): rows of at least this many queries get no
+    # work item, their output written elsewhere (``prefill_sdpa``); 0: every row.
+    skip_queries: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m_min", "block_m_max", "block_n"):
@@ -84,6 +95,12 @@ class AttentionConfig:
             raise ValueError(f"ramp_pages must be >= 0, got {self.ramp_pages}")
         if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
             raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
+        if self.prefill_sdpa not in ("auto", "on", "off"):
+            raise ValueError(f"prefill_sdpa must be 'auto', 'on' or 'off', got "
+                             f"{self.prefill_sdpa!r}")
+        if self.sdpa_min_queries < 2 or self.skip_queries < 0:
+            raise ValueError(f"sdpa_min_queries must be >= 2 and skip_queries >= 0, got "
+                             f"{self.sdpa_min_queries}, {self.skip_queries}")
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -96,7 +113,8 @@ DEFAULT_CONFIG = AttentionConfig()
 # zeros). Balanced chunks would move a query's chunk boundaries whenever its row holds one more
 # page than it sees: a verify row across a page boundary, a prompt prefilled in other pieces.
 DETERMINISTIC = dict(block_m_min=64, block_m_max=64, kv_chunk_pages=64, split_max_q=1 << 30,
-                     balanced_chunks=False, mixed_one_launch=True)  # fmt: skip
+                     balanced_chunks=False, mixed_one_launch=True,
+                     prefill_sdpa="off")  # fmt: skip
 
 # splits of a step's longest row tried by the wave-fitted chunk rule (1..FIT_SPLITS)
 FIT_SPLITS = 64

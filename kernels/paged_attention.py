@@ -47,6 +47,7 @@ from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
 from .plan_kernel import fused_planning_fits, plan_into
+from .sdpa_rows import sdpa_row_ids, sdpa_rows
 
 _LOG2E = 1.4426950408889634
 _CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
@@ -345,6 +346,8 @@ def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
     block_m = _block_m(n_q, group, cfg)
     tokens = block_m // group  # query tokens per tile
     blocks = -(-n_q // tokens)
+    if cfg.skip_queries:  # rows attended elsewhere (``sdpa_rows``): no item, never split
+        blocks = np.where(n_q >= cfg.skip_queries, 0, blocks)
     if cfg.kv_chunk_pages is not None:
         chunk = cfg.kv_chunk_pages
     elif cfg.resident_programs is not None:
@@ -352,7 +355,7 @@ def _host_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig,
     else:
         target = cfg.waves * _num_sms(device)
         chunk = max(cfg.min_chunk_pages, math.ceil(int((n_pages * blocks).sum()) * hkv / target))
-    splits = np.where(n_q <= cfg.split_max_q, -(-n_pages // chunk), 1)
+    splits = np.where((n_q <= cfg.split_max_q) & (blocks > 0), -(-n_pages // chunk), 1)
     per = -(-n_pages // splits)  # pages per chunk, balanced
     if not cfg.balanced_chunks:  # cut at multiples of the chunk
         per = np.where(splits > 1, chunk, per)
@@ -625,6 +628,12 @@ def paged_attention(
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device) if return_lse else out
     if t == 0:
         return (out, lse) if return_lse else out
+    long_rows = sdpa_row_ids(q, meta, config, return_lse)  # prefill chunks: a flash kernel
+    if long_rows:
+        sdpa_rows(q, kv_cache, meta, scale, long_rows, out)
+        if len(long_rows) == meta.num_rows:
+            return out
+        config = replace(config, skip_queries=config.sdpa_min_queries)
     plan = _plan(meta, group, hkv, config)
     opart, lpart = plan.opart, plan.lpart
     if opart is None and plan.part_rows:

@@ -18,6 +18,8 @@
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH]   (GPU idle without the profiler:
 #     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls)
+#   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
+#     through the paged kernel against SDPA, and the FLOP floor)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
 #   bash scripts/gpu_runs.sh tp TARGET [MODES] [BATCHES] [CONTEXT] [MAX_TOKENS] [EXTRA...]
 #     (bench_tp.py, TP=1 vs TP=2, one process per mode and TP; TARGET a bench_tp shape such
@@ -108,6 +110,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print("   syncs:", b.get("syncs"))
 PY
     ;;
+  prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
+    run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \
+      --context "${1:-16000}" --batch "${2:-16}" --repeats "${3:-3}" --out "$OUT/prefill.json" ;;
   floor)
     run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$1" \
       --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;

@@ -124,8 +124,10 @@ def test_deterministic_attention_options_are_checked():
     backend = TritonBackend(deterministic=True)
     assert backend.config.block_m_min == backend.config.block_m_max == 64
     assert backend.config.kv_chunk_pages == 64
+    assert backend.config.prefill_sdpa == "off"  # a flash kernel tiles by the row's shape
     assert TritonBackend(deterministic=True, kv_chunk_pages=8).config.kv_chunk_pages == 8
-    for bad in ({"kv_chunk_pages": None}, {"block_m_min": 16}, {"split_max_q": 8}):
+    for bad in ({"kv_chunk_pages": None}, {"block_m_min": 16}, {"split_max_q": 8},
+                {"prefill_sdpa": "on"}):
         with pytest.raises(ValueError, match="contradict deterministic"):
             TritonBackend(deterministic=True, **bad)
     with pytest.raises(ValueError, match="deterministic needs"):

@@ -62,3 +62,31 @@ def test_pause_decoding_prefills_everything_first(tiny_model_dir, mode):
             if out.finished:
                 got[out.request_id] = out.token_ids
     assert [got[f"r{i}"] for i in range(4)] == expected
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_prefill_chunks_through_sdpa_match_transformers(tiny_model_dir, mode):
+    """The Triton backend with prefill rows through SDPA (``AttentionConfig.prefill_sdpa``, on
+    by default on CUDA): 32-token chunks, so later chunks attend to earlier ones through the
+    mask aligned to their last key; decode, draft and verify rows stay on the kernel (Triton's
+    interpreter here). Greedy output equals transformers' token for token."""
+    model_dir = tiny_model_dir("qwen2")
+    prompts = random_prompts(3, [17, 40, 90], vocab=256, seed=3)
+    expected = [hf_greedy(model_dir, p, 8) for p in prompts]
+    cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=32,
+                              num_pages=200, d_max=4, attention_backend="triton",
+                              calibrate="off",
+                              attention_options={"prefill_sdpa": "on", "sdpa_min_queries": 8})
+    engine = LLMEngine(cfg)
+    sdpa_calls = []
+    from aspire_ray.kernels import paged_attention as pa
+
+    original = pa.sdpa_rows
+    pa.sdpa_rows = lambda *a: (sdpa_calls.append(a[4]), original(*a))[1]  # noqa: E731
+    try:
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+        got = run_staggered(engine, prompts, params, arrive_every=2)
+    finally:
+        pa.sdpa_rows = original
+    assert list(got.values()) == expected
+    assert len(sdpa_calls) > 10  # chunks of 8+ queries went through SDPA, layer by layer

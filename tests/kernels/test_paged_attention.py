@@ -1,6 +1,7 @@
 """Triton paged attention against ``paged_attention_ref`` (CPU: Triton's interpreter)."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from aspire_ray.kernels.paged_attention import (
     paged_attention,
 )
 from aspire_ray.kernels.reference import paged_attention_ref
+from aspire_ray.kernels.sdpa_rows import sdpa_row_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,7 +59,11 @@ def check(q, kv, meta, dtype, config=DEFAULT_CONFIG, scale=None):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOLERANCE[0], rtol=LSE_TOLERANCE[1])
     out_only = paged_attention(q, kv, meta, scale, config=config)
-    assert torch.equal(out_only, out)
+    torch.testing.assert_close(out_only.float(), ref_out.float(), atol=atol, rtol=rtol)
+    # without the lse the same bits, but in rows that SDPA takes (prefill chunks on a GPU)
+    sdpa, qo = sdpa_row_ids(q, meta, config, return_lse=False), meta.qo_indptr_host
+    kept = [t for r in range(meta.num_rows) if r not in sdpa for t in range(qo[r], qo[r + 1])]
+    assert torch.equal(out_only[kept], out[kept])
 
 
 def _mixed_rows_cases() -> list:
@@ -229,6 +235,53 @@ def test_rejects_bad_inputs():
     meta.qo_indptr_host = None
     with pytest.raises(ValueError, match="_host"):
         paged_attention(q, kv, meta, 0.1)
+
+
+SDPA = AttentionConfig(prefill_sdpa="on", sdpa_min_queries=20)
+
+
+@pytest.mark.parametrize("heads", [(6, 2, 64), (7, 1, 64), (2, 2, 128)],
+                         ids=["g3", "g7", "g1-d128"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_rows_through_sdpa(dtype, heads):
+    # prefill chunks of >= 20 queries through SDPA: one from an empty cache (40 of 40 keys:
+    # plain causal), one after earlier chunks (24 queries over 131 keys: the mask aligned to
+    # the last key), beside a decode and a verify row that the kernel keeps
+    q, kv, meta = make_case([1, 5, 40, 24], [37, 70, 40, 131], heads, dtype)
+    scale = q.shape[-1] ** -0.5
+    out = paged_attention(q, kv, meta, scale, config=SDPA)
+    ref = paged_attention_ref(q, kv, meta, scale)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    kernel = paged_attention(q, kv, meta, scale, config=replace(SDPA, prefill_sdpa="off"))
+    assert torch.equal(out[:6], kernel[:6])  # the kernel's rows: the same bits
+    assert not torch.equal(out[6:], kernel[6:])  # (and the long ones another computation)
+    # the log-sum-exp's calls (the refresh layer's scoring) keep the kernel for every row
+    with_lse, _ = paged_attention(q, kv, meta, scale, return_lse=True, config=SDPA)
+    assert torch.equal(with_lse, kernel)
+
+
+def test_only_long_rows_through_sdpa():
+    # every row long: no kernel launch at all; short rows alone: no SDPA
+    q, kv, meta = make_case([30, 21], [30, 90], (4, 2, 64), torch.float32)
+    out = paged_attention(q, kv, meta, 0.125, config=SDPA)
+    torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.125), atol=2e-5, rtol=2e-5)
+    assert _plan(meta, 2, 2, replace(SDPA, skip_queries=20)).launches == []
+    q, kv, meta = make_case([1, 19], [30, 90], (4, 2, 64), torch.float32)
+    assert sdpa_row_ids(q, meta, SDPA, return_lse=False) == []
+    q, kv, meta = make_case([1, 20], [30, 90], (4, 2, 64), torch.float32)
+    assert sdpa_row_ids(q, meta, SDPA, return_lse=False) == [1]
+    assert sdpa_row_ids(q, meta, SDPA, return_lse=True) == []
+    # "auto": CUDA only (the CPU's serving backend is the torch reference anyway)
+    auto = sdpa_row_ids(q, meta, replace(SDPA, prefill_sdpa="auto"), return_lse=False)
+    assert auto == ([1] if q.is_cuda else [])
+
+
+def test_prefill_sdpa_settings_are_checked():
+    with pytest.raises(ValueError, match="prefill_sdpa"):
+        AttentionConfig(prefill_sdpa="yes")
+    with pytest.raises(ValueError, match="sdpa_min_queries"):
+        AttentionConfig(sdpa_min_queries=1)
 
 
 GPU_CASES = {
