@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.reference import (
     accept_rows_ref,
     plan_rows_ref,
@@ -33,7 +34,9 @@ def policy_layout(selector: PageSelector, width: int, device: torch.device) -> t
     (head_end, n_top, tail_start) of a row of P pages (``PageSelector.layout``). A graph step
     looks its rows up here, so the policy's formula has one home. Call outside a capture."""
     head, top, tail = selector.layout(np.arange(width + 1, dtype=np.int64))
-    return torch.from_numpy(np.stack([head, top, tail]).astype(np.int32)).to(device)
+    # through pinned memory: a copy from pageable memory would sync the stream (a table that
+    # widens mid-serving recomputes this while earlier steps still run)
+    return upload(np.stack([head, top, tail]).astype(np.int32), device)
 
 
 def plan_rows(state: dict[str, torch.Tensor], chain: torch.Tensor, table: torch.Tensor,
