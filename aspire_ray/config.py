@@ -23,7 +23,7 @@ class ModeSpec:
     """What one speculation mode means (DESIGN.md §1.6): a row of ``MODES``. Every module reads
     these fields; none compares mode names."""
 
-    # which pages a draft row attends to, a name in worker/page_selector.py's PAGE_POLICIES:
+    # which pages a draft row attends to, a name in worker/page_policies' PAGE_POLICIES:
     # "window" (the sink page plus the most recent pages, StreamingLLM), "topk" (top-scoring
     # pages plus the sink and the recent ones); "none": the mode never drafts
     page_policy: str
@@ -60,8 +60,8 @@ class ModeSpec:
         return self.gamma_rule == "cost_model"
 
 
-# DESIGN.md §1.6, one row per mode: a new mode is one row here (a new page policy: one class in
-# worker/page_selector.py's PAGE_POLICIES, named by the row).
+# DESIGN.md §1.6, one row per mode: a new mode is one row here (a new page policy: one file in
+# worker/page_policies/ and its PAGE_POLICIES entry, named by the row).
 MODES: dict[str, ModeSpec] = {
     #                         page_policy  refresh_while_drafting  synchronized  gamma_rule
     "ar":           ModeSpec("none",      False,                  False,        "none"),

@@ -13,7 +13,7 @@ from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
 from aspire_ray.worker import step_batch, worker
 from aspire_ray.worker.draft_pages import PageScoreTable, choose_top_pages
-from aspire_ray.worker.page_selector import StreamingWindow, TopKPages
+from aspire_ray.worker.page_policies import StreamingWindow, TopKPages
 
 SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 

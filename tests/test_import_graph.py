@@ -155,3 +155,18 @@ def test_one_layer_loop():
                         and node.func.attr in ("pre_attention", "post_attention"):  # fmt: skip
                     callers.add(f"{name}.{fn.name}")
     assert callers == {"aspire_ray.model.decoder.span"}
+
+
+def test_the_wheel_lists_every_package():
+    # pyproject.toml lists the packages by hand (kernels/ and tp/ are mapped): a subpackage
+    # missing there is missing from `pip install .`, which CI's install runs
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])  # fmt: skip
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "aspire_ray").rglob("__init__.py")
+             if ".egg-info" not in str(p)}  # fmt: skip
+    found |= {"aspire_ray.kernels", "aspire_ray.tp"}  # mapped directories without __init__
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"

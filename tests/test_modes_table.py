@@ -19,7 +19,7 @@ from aspire_ray.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from aspire_ray.worker.page_selector import PAGE_POLICIES, make_selector
+from aspire_ray.worker.page_policies import PAGE_POLICIES, make_selector
 
 # mode -> (page_policy, refresh_while_drafting, synchronized, gamma_rule), DESIGN.md §1.6
 ROWS = {

@@ -49,7 +49,7 @@ def test_modes_match_ar_under_preemption(tiny_model_dir, mode):
 def test_sparse_lists_are_strict_subsets():
     """The draft rows' page lists really are smaller than the full lists."""
     from aspire_ray.config import SpecConfig
-    from aspire_ray.worker.page_selector import TopKPages
+    from aspire_ray.worker.page_policies import TopKPages
 
     sel = TopKPages(SpecConfig(mode="aspire", **{k: v for k, v in SPARSE.items()
                                                    if k in ("k_min", "recent_pages", "rho")}))

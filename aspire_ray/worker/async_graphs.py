@@ -42,7 +42,7 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
-from .page_selector import PageSelector
+from .page_policies import PageSelector
 from .page_table import PageTable, list_capacity
 from .step_graphs import StepGraphs
 from .step_rows import accept_rows, plan_rows, policy_layout

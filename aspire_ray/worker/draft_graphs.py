@@ -50,7 +50,7 @@ from .draft_pages import (
     rescore_first_last,
     sync_tables,
 )
-from .page_selector import PageSelector
+from .page_policies import PageSelector
 from .page_table import PageTable, list_capacity
 from .step_graphs import StepGraphs
 from .step_rows import plan_rows, policy_layout

@@ -14,7 +14,7 @@ from aspire_ray.attention import AttentionBackend
 from aspire_ray.tp import TPGroup
 
 from .draft_pages import PageScoreTable
-from .page_selector import PageSelector
+from .page_policies import PageSelector
 from .page_table import PageTable
 
 

@@ -26,7 +26,7 @@ from aspire_ray.kernels.reference import (
 )
 from aspire_ray.model.rotary import fused_ops
 
-from .page_selector import PageSelector
+from .page_policies import PageSelector
 
 
 def policy_layout(selector: PageSelector, width: int, device: torch.device) -> torch.Tensor:

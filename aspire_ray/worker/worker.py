@@ -46,7 +46,7 @@ from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
 from .graph_clock import CLOCK
 from .model_loading import DTYPES, build_model
-from .page_selector import FullPages, make_selector
+from .page_policies import FullPages, make_selector
 from .page_table import PageTable
 from .round_runs import StartedRound, graph_rounds
 from .step_batch import StepBatch

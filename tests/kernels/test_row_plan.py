@@ -14,7 +14,7 @@ from aspire_ray.kernels.reference import (
     store_row_scores_ref,
 )
 from aspire_ray.kernels.row_plan import accept_rows, plan_rows, score_lists, store_row_scores
-from aspire_ray.worker.page_selector import FullPages, StreamingWindow, TopKPages
+from aspire_ray.worker.page_policies import FullPages, StreamingWindow, TopKPages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PS, WIDTH, DRAFTS = 4, 40, 6
