@@ -401,6 +401,9 @@ def main() -> None:
     p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
                    help="random weights of this architecture, random-token prompts")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--prefill-sdpa", choices=("off", "on", "auto"), default="off",
+                   help="prefill chunks through SDPA (AttentionConfig.prefill_sdpa; not in "
+                        "deterministic modes): shorter runs, the same decode window")
     p.add_argument("--diagnose", action="store_true",
                    help="time each graph replay on the GPU (idle between replays, by phase) and "
                         "log synchronizing CUDA calls over each window: breakdown.gpu_clock, "
@@ -441,6 +444,10 @@ def main() -> None:
             kw = {"model": args.model, "load_format": args.load_format, **extra}
             max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
             spec_mode, options = mode_options(mode)
+            if args.prefill_sdpa != "off" and not options.get("deterministic"):
+                # prompts faster (the decode window is what is timed; never in det modes)
+                options["attention_options"] = {**options.get("attention_options", {}),
+                                                 "prefill_sdpa": args.prefill_sdpa}
             llm = LLM(device=args.device, dtype=args.dtype, spec_mode=spec_mode,
                       attention_backend=args.attention_backend, max_num_seqs=max_seqs,
                       max_num_batched_tokens=args.max_batched_tokens, **options, **kw)
