@@ -351,6 +351,12 @@ class EngineConfig:
     # Freeze Python's heap once the engine is built (engine/heap.py): no garbage collection
     # then visits the ~200k objects of start-up (~100 ms between two plans when one did, a CPU).
     gc_freeze: bool = True
+    # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
+    # event sync behind them; "spin", polling a flag that a second copy writes into pinned
+    # memory after them (no CUDA call in the wait). Kept to time one against the other: the
+    # s23 figures read as if the wait outlasted the steps queued after the tokens
+    # (docs/benchmarks.md §8.31).
+    device_wait: str = "event"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -364,6 +370,8 @@ class EngineConfig:
                  and all(isinstance(k, str) for k in self.attention_options),
                  f"attention_options must map setting names to values, "
                  f"got {self.attention_options!r}")  # fmt: skip
+        _require(self.device_wait in ("event", "spin"),
+                 f"device_wait must be 'event' or 'spin', got {self.device_wait!r}")
         _require(self.calibrate in CALIBRATE,
                  f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         _require(self.device.split(":")[0] in ("cpu", "cuda"),

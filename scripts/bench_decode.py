@@ -81,6 +81,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # Python's heap not frozen once the engine is built: garbage collections walk it
     # (EngineConfig.gc_freeze, engine/heap.py)
     "nogcfreeze": {"gc_freeze": False},
+    # the host polls a pinned flag for a graph run's tokens, not a CUDA event sync
+    # (EngineConfig.device_wait; docs/benchmarks.md §8.31)
+    "spinwait": {"device_wait": "spin"},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

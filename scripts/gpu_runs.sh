@@ -106,7 +106,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"   {k}: {v['count']} gaps, {v['ms']:.2f} ms, max {v['max_ms']:.3f} ms")
     for k, v in c.get("host", {}).items():
         print(f"   host at {k}: GPU work queued median {v['queued_ms_median']:.2f} ms "
-              f"(min {v['queued_ms_min']:.2f}, max {v['queued_ms_max']:.2f}; {v['count']})")
+              f"(min {v['queued_ms_min']:.2f}, max {v['queued_ms_max']:.2f}; {v['count']})"
+              + (f", woke {v['wake_latency_ms_median']:.2f} ms after its tokens"
+                 if "wake_latency_ms_median" in v else ""))
     print("   syncs:", b.get("syncs"))
 PY
     ;;

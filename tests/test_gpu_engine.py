@@ -173,6 +173,18 @@ def test_greedy_graph_runs_never_sync_the_host(mode):
     assert counters[continued] >= 3, counters
 
 
+@pytest.mark.parametrize("mode", ["ar", "aspire_fixed", "aspire"])
+def test_spin_wait_gives_the_same_tokens_on_gpu(mode):
+    # EngineConfig.device_wait="spin": the host polls a pinned flag copied after the tokens
+    # instead of syncing on an event; the same fp32 output, the runs still continued early
+    spun = _run(mode, "float32", max_tokens=96, device_wait="spin")
+    counters = _run.last_worker.graph_counters()
+    assert spun == _run(mode, "float32", max_tokens=96)
+    continued = {"ar": "chains_continued", "aspire_fixed": "rounds_continued",
+                 "aspire": "runs_continued"}[mode]  # fmt: skip
+    assert counters[continued] >= 3, counters
+
+
 def test_graph_clock_times_replays_on_gpu():
     # every replay bracketed on the GPU's clock (the engine's warm-up included, phase
     # "other"): busy and idle add up to the span, the asynchronous runs' phases are named
@@ -188,6 +200,7 @@ def test_graph_clock_times_replays_on_gpu():
     assert phases["async:continue"]["replays"] >= 3 * 12  # runs of 16 steps, 4 started early
     host = clock["host"]  # the host's wait and launches, placed on the GPU's clock
     assert host["async:woke"]["count"] >= 3 and host["async:launch"]["count"] >= 3, host
+    assert host["async:woke"]["wake_latency_ms_median"] > -1.0  # not before its tokens were
 
 
 @pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])

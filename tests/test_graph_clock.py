@@ -40,12 +40,16 @@ def test_host_marks_tell_the_work_queued_on_the_gpu():
     # 6 ms of early steps still queued
     intervals = [(0.0, 3.0, "async:run"), (3.0, 9.0, "async:run"), (14.0, 17.0, "async:run"),
                  (17.0, 20.0, "async:early"), (20.0, 26.0, "async:early")]  # fmt: skip
-    host = [(9.5, "async:woke", 2), (13.0, "async:launch", 2), (14.5, "async:launch", 3),
-            (20.0, "async:woke", 5)]  # fmt: skip
+    # (the second wait was for the first 3 replays: the host woke 3 ms after the third ended,
+    # while the early steps ran)
+    host = [(9.5, "async:woke", 2, 2), (13.0, "async:launch", 2, -1),
+            (14.5, "async:launch", 3, -1), (20.0, "async:woke", 5, 3)]  # fmt: skip
     q = summarize(intervals, host)["host"]
     assert q["async:woke"] == {"count": 2, "queued_ms_median": 2.75, "queued_ms_min": -0.5,
-                               "queued_ms_max": 6.0}  # fmt: skip
+                               "queued_ms_max": 6.0, "wake_latency_ms_median": 1.75,
+                               "wake_latency_ms_max": 3.0}  # fmt: skip
     assert q["async:launch"]["queued_ms_min"] == -4.0 and q["async:launch"]["queued_ms_max"] == 2.5
+    assert "wake_latency_ms_median" not in q["async:launch"]
 
 
 def test_summarize_of_nothing():

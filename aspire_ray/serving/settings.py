@@ -57,6 +57,9 @@ class EngineArgs(BaseModel):
     # Freeze the Python heap once the engine is built, out of the garbage collector's way
     # (EngineConfig.gc_freeze). None: the engine's default (on).
     gc_freeze: bool | None = None
+    # How the host waits for a graph run's tokens: "event" or "spin" (EngineConfig.device_wait).
+    # None: the engine's default ("event").
+    device_wait: Literal["event", "spin"] | None = None
     # Speculation knobs of SpecConfig other than the mode (k_min, rho, gamma, d_max, ...).
     spec_options: dict[str, Any] = Field(default_factory=dict)
 

@@ -169,11 +169,12 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
                               worker.kv_caches)  # fmt: skip
         layouts, row_ids = layout, [row.req_id for row in rows]
         n = next(b for b in graphs.row_buckets if b >= len(rows))
-    pending = DeviceResult(outs)
+    waited_for = CLOCK.launched
+    pending = DeviceResult(outs, spin=worker.cfg.device_wait == "spin")
     with CLOCK.phase("async:early"):
         graphs.started = _start_next(worker, n, rows, tracks, by_id)
     flat, wait = pending.wait()
-    CLOCK.mark("async:woke")
+    CLOCK.mark("async:woke", waited_for)
     at = 0
     for s, queries in enumerate(layouts):
         for rid, q in zip(row_ids, queries, strict=False):

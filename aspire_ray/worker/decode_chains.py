@@ -93,11 +93,13 @@ def graph_decode_chain(worker: Any, rows: list[RowPlan], steps: int,
                                  worker.kv_caches, keep_q=False)  # fmt: skip
         n, row_ids = graphs.bucket(len(rows)), [row.req_id for row in rows]
         graphs.row_ids = list(row_ids)
-    pending = DeviceResult([torch.stack(outs, dim=1).flatten()])  # [R * steps], row-major
+    waited_for = CLOCK.launched
+    pending = DeviceResult([torch.stack(outs, dim=1).flatten()],  # [R * steps], row-major
+                           spin=worker.cfg.device_wait == "spin")
     with CLOCK.phase("chain:early"):
         graphs.started = _start_next(worker, n, row_ids, rows, steps)
     flat, wait = pending.wait()
-    CLOCK.mark("chain:woke")
+    CLOCK.mark("chain:woke", waited_for)
     results = [RowResult(row.req_id, RowKind.VERIFY, flat[r * steps : (r + 1) * steps])
                for r, row in enumerate(rows)]  # fmt: skip
     if graphs.started is not None:

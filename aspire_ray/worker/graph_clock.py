@@ -41,7 +41,8 @@ class GraphClock:
         self.enabled = False
         self._phase = "other"
         self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
-        self._host: list[tuple[float, str, int]] = []  # (perf_counter s, name, replays before)
+        # (perf_counter s, name, replays launched before, replays the host waited for or -1)
+        self._host: list[tuple[float, str, int, int]] = []
         self.dropped = 0  # replays past MAX_REPLAYS
 
     def start(self) -> None:
@@ -49,10 +50,17 @@ class GraphClock:
         self._marks, self._host, self.dropped = [], [], 0
         self.enabled = torch.cuda.is_available()
 
-    def mark(self, name: str) -> None:
-        """The host is at ``name`` now (``summarize``'s "host")."""
+    @property
+    def launched(self) -> int:
+        """Replays recorded so far (``mark``'s waited_for)."""
+        return len(self._marks)
+
+    def mark(self, name: str, waited_for: int = -1) -> None:
+        """The host is at ``name`` now (``summarize``'s "host"). waited_for: where the host
+        has just waited for the first so many replays (``launched`` when it queued the wait):
+        the mark then also tells how long after the last of them ended the host woke."""
         if self.enabled and len(self._marks) < MAX_REPLAYS:
-            self._host.append((time.perf_counter(), name, len(self._marks)))
+            self._host.append((time.perf_counter(), name, len(self._marks), waited_for))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -94,17 +102,17 @@ class GraphClock:
         probe.record()
         probe.synchronize()
         offset = 1e3 * now - origin.elapsed_time(probe)  # host ms - GPU ms
-        at = [(1e3 * t - offset, name, before) for t, name, before in host]
+        at = [(1e3 * t - offset, name, before, waited) for t, name, before, waited in host]
         return summarize(intervals, at) | {"dropped": self.dropped}
 
 
 def summarize(intervals: Sequence[tuple[float, float, str]],
-              host: Sequence[tuple[float, str, int]] = (), longest: int = 8) -> dict:
+              host: Sequence[tuple[float, str, int, int]] = (), longest: int = 8) -> dict:
     """Replays as (begin ms, end ms, phase), in launch order on one stream -> the GPU's busy
     time in replays and its gaps between them: in all, by bucket (``GAP_BUCKETS``), by the
     phases either side ("before -> after"), busy by phase, and the longest gaps. host: marks
-    as (ms on the same clock, name, replays launched before it) -> per name the GPU work
-    queued at the mark (``queued_at``)."""
+    as (ms on the same clock, name, replays launched before it, replays waited for or -1) ->
+    per name the GPU work queued at the mark and the wake latency (``queued_at``)."""
     busy = sum(e - b for b, e, _ in intervals)
     span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
     buckets = [{"upto_ms": hi, "count": 0, "ms": 0.0} for hi in GAP_BUCKETS]
@@ -142,17 +150,27 @@ def summarize(intervals: Sequence[tuple[float, float, str]],
 
 
 def queued_at(intervals: Sequence[tuple[float, float, str]],
-              host: Sequence[tuple[float, str, int]]) -> dict:  # fmt: skip
+              host: Sequence[tuple[float, str, int, int]]) -> dict:  # fmt: skip
     """Per mark name: count, and the median / min / max of the GPU work queued at the mark
     (ms): the end of the last replay launched before it, less the mark's time (negative: the
-    GPU had been idle that long)."""
+    GPU had been idle that long). Marks after a wait (waited_for > 0) also give the wake
+    latency: the mark's time less the end of the last replay waited for (~0: the host woke
+    as its tokens were ready; about the work queued after them: the wait outlasted it)."""
     queued: dict[str, list[float]] = {}
-    for at, name, before in host:
+    latency: dict[str, list[float]] = {}
+    for at, name, before, waited in host:
         if before > 0:
             queued.setdefault(name, []).append(intervals[before - 1][1] - at)
-    return {name: {"count": len(q), "queued_ms_median": statistics.median(q),
-                   "queued_ms_min": min(q), "queued_ms_max": max(q)}
-            for name, q in queued.items()}  # fmt: skip
+        if waited > 0:
+            latency.setdefault(name, []).append(at - intervals[waited - 1][1])
+    out = {}
+    for name, q in queued.items():
+        out[name] = {"count": len(q), "queued_ms_median": statistics.median(q),
+                     "queued_ms_min": min(q), "queued_ms_max": max(q)}  # fmt: skip
+        if name in latency:
+            out[name]["wake_latency_ms_median"] = statistics.median(latency[name])
+            out[name]["wake_latency_ms_max"] = max(latency[name])
+    return out
 
 
 CLOCK = GraphClock()  # this process's

@@ -83,11 +83,12 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
                                      [req.scored_pages > 0 for req in reqs], steps, rounds,
                                      worker.kv_caches)  # fmt: skip
         n, row_ids = graphs.bucket(len(rows)), [row.req_id for row in rows]
-    pending = DeviceResult(outs)
+    waited_for = CLOCK.launched
+    pending = DeviceResult(outs, spin=worker.cfg.device_wait == "spin")
     with CLOCK.phase("round:early"):
         graphs.started = _start_next(worker, n, rows, steps, rounds)
     flat, wait = pending.wait()
-    CLOCK.mark("round:woke")
+    CLOCK.mark("round:woke", waited_for)
     width, d = len(row_ids) * (2 * steps + 1), len(row_ids) * steps
     at = {row.req_id: row_ids.index(row.req_id) for row in rows}  # device row of each row
     by_round: list[list[RowResult]] = []

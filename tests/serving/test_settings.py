@@ -127,3 +127,8 @@ def test_engine_switches_reach_the_engine_config():
     assert AppArgs.model_validate({}).engine.to_engine_config().gc_freeze is True  # on unless
     off = AppArgs.model_validate({"engine": {"gc_freeze": False}})  # switched off
     assert off.engine.to_engine_config().gc_freeze is False
+    assert AppArgs.model_validate({}).engine.to_engine_config().device_wait == "event"
+    spin = AppArgs.model_validate({"engine": {"device_wait": "spin"}})
+    assert spin.engine.to_engine_config().device_wait == "spin"
+    with pytest.raises(ValueError, match="device_wait"):
+        AppArgs.model_validate({"engine": {"device_wait": "poll"}})
