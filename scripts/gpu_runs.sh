@@ -16,7 +16,7 @@
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
-#   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH]   (GPU idle without the profiler:
+#   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
 #     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls)
 #   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
 #     through the paged kernel against SDPA, and the FLOP floor)
@@ -92,9 +92,10 @@ print('alias ->', r('qwen2.5-coder-1.5b-instruct'))" ;;
       --batch "$batch" --max-tokens "$new" --repeats "$repeats" --modes "$modes" \
       --out "$OUT/sweep.json" "$@" ;;
   diag)  # where the GPU idles in a decode window, no profiler: graph clock + sync log
-    run_logged diag python3 scripts/bench_decode.py --model "$MODEL" --contexts "${2:-32000}" \
-      --batch "${3:-64}" --max-tokens 128 --modes "${1:-ar,aspire/q4,aspire_fixed/g8}" \
-      --diagnose --out "$OUT/diag.json"
+    modes="${1:-ar,aspire/q4,aspire_fixed/g8}"; context="${2:-32000}"; batch="${3:-64}"
+    shift $(( $# < 3 ? $# : 3 ))
+    run_logged diag python3 scripts/bench_decode.py --model "$MODEL" --contexts "$context" \
+      --batch "$batch" --max-tokens 128 --modes "$modes" --diagnose --out "$OUT/diag.json" "$@"
     python3 - "$OUT/diag.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
