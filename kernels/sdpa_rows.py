@@ -32,8 +32,13 @@ def sdpa_row_ids(q: torch.Tensor, meta: PagedKVMeta, config: AttentionConfig,
     on = config.prefill_sdpa == "on" or (config.prefill_sdpa == "auto" and q.is_cuda)
     if not on or return_lse or meta.fixed_plan is not None:
         return []
-    qo = meta.qo_indptr_host
-    return [r for r in range(meta.num_rows) if qo[r + 1] - qo[r] >= config.sdpa_min_queries]
+    # once per step, not per layer: cached on the metadata object, as the kernel's plans are
+    cache = meta.__dict__.setdefault("_sdpa_rows", {})
+    if config.sdpa_min_queries not in cache:
+        qo = meta.qo_indptr_host
+        cache[config.sdpa_min_queries] = [r for r in range(meta.num_rows)
+                                          if qo[r + 1] - qo[r] >= config.sdpa_min_queries]
+    return cache[config.sdpa_min_queries]
 
 
 def sdpa_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedKVMeta, scale: float,

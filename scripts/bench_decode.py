@@ -28,6 +28,7 @@ import time
 import warnings
 
 from bench_tp import SHAPES
+from floor_report import clock_summary
 from traces import TraceRecorder, Traces, engine_meta
 from workloads import heterogeneous_requests, long_context_prompts, short_prompts
 
@@ -280,11 +281,11 @@ def _worker_call(engine, name: str, *args, default=None):
 
 class Diagnosis:
     """Where a decode window's GPU time goes, measured without the profiler: the worker's
-    graph clock (``graph_clock.py``: each graph replay timed on the GPU, the idle between
-    replays by the phases either side; rank 0's) and, with the worker in this process, the
-    CUDA calls that synchronized the host with the device (``torch.cuda.set_sync_debug_mode``
-    warnings, counted by the Python line that made them; the plan's intended wait, an event
-    sync, is not one of them)."""
+    graph clock (``graph_clock.py``: each graph replay timed on the GPU; the idle between
+    replays by the phases either side, ``floor_report.clock_summary``; rank 0's) and, with
+    the worker in this process, the CUDA calls that synchronized the host with the device
+    (``torch.cuda.set_sync_debug_mode`` warnings, counted by the Python line that made them;
+    the plan's intended wait, an event sync, is not one of them)."""
 
     def __init__(self, engine) -> None:
         import torch
@@ -302,7 +303,7 @@ class Diagnosis:
     def stop(self) -> dict:
         import torch
 
-        out = {"gpu_clock": _worker_call(self.engine, "graph_clock", False)}
+        out = {"gpu_clock": clock_summary(_worker_call(self.engine, "graph_clock", False))}
         if self._warnings is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(None, None, None)

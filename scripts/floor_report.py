@@ -154,6 +154,71 @@ def long_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
     return out
 
 
+CLOCK_GAP_BUCKETS_MS = (0.01, 0.1, 1.0)  # the graph clock's gaps: <= 10 us, 100 us, 1 ms, longer
+
+
+def clock_summary(raw: dict, longest: int = 8) -> dict:
+    """The graph clock's record (``GraphClock.collect``: replays as (begin ms, end ms, phase)
+    in launch order on one stream, host marks) -> the GPU's busy time in replays and its idle
+    between them: in all, by size (``idle_gaps``' buckets), by the phases either side
+    ("before -> after"), busy by phase, the longest gaps, and per host mark the work queued
+    (``queued_at``)."""
+    intervals = raw["intervals"]
+    busy = sum(e - b for b, e, _ in intervals)
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    sized = idle_gaps([(b, e) for b, e, _ in intervals], intervals[0][0] if intervals else 0.0,
+                      intervals[-1][1] if intervals else 0.0, CLOCK_GAP_BUCKETS_MS)
+    between: dict[str, dict] = {}
+    by_phase: dict[str, dict] = {}
+    gaps = []
+    for i, (b, e, phase) in enumerate(intervals):
+        mine = by_phase.setdefault(phase, {"replays": 0, "busy_ms": 0.0})
+        mine["replays"] += 1
+        mine["busy_ms"] += e - b
+        if i:
+            gap, key = max(b - intervals[i - 1][1], 0.0), f"{intervals[i - 1][2]} -> {phase}"
+            pair = between.setdefault(key, {"count": 0, "ms": 0.0, "max_ms": 0.0})
+            pair["count"] += 1
+            pair["ms"] += gap
+            pair["max_ms"] = max(pair["max_ms"], gap)
+            gaps.append((gap, i, key))
+    gaps.sort(reverse=True)
+    return {
+        "replays": len(intervals), "dropped": raw.get("dropped", 0), "span_ms": span,
+        "busy_ms": busy, "gap_ms": span - busy, "idle_frac": (span - busy) / span if span else 0.0,
+        "gaps": [{"upto_ms": hi, "count": n, "ms": t}
+                 for hi, (n, t) in zip((*CLOCK_GAP_BUCKETS_MS, None), sized, strict=True)],
+        "between": dict(sorted(between.items(), key=lambda kv: -kv[1]["ms"])),
+        "by_phase": by_phase,
+        "longest": [{"ms": g, "replay": i, "between": key} for g, i, key in gaps[:longest]],
+        "host": queued_at(intervals, raw["host"]),
+    }
+
+
+def queued_at(intervals: Sequence[tuple[float, float, str]],
+              host: Sequence[tuple[float, str, int, int]]) -> dict:
+    """Per host mark name: count, and the median / min / max of the GPU work queued at the
+    mark (ms): the end of the last replay launched before it, less the mark's time (negative:
+    the GPU had been idle that long). Marks after a wait (waited_for > 0) also give the wake
+    latency: the mark's time less the end of the last replay waited for (~0: the host woke
+    as its tokens were ready; about the work queued after them: the wait outlasted it)."""
+    queued: dict[str, list[float]] = {}
+    latency: dict[str, list[float]] = {}
+    for at, name, before, waited in host:
+        if before > 0:
+            queued.setdefault(name, []).append(intervals[before - 1][1] - at)
+        if waited > 0:
+            latency.setdefault(name, []).append(at - intervals[waited - 1][1])
+    out = {}
+    for name, q in queued.items():
+        out[name] = {"count": len(q), "queued_ms_median": statistics.median(q),
+                     "queued_ms_min": min(q), "queued_ms_max": max(q)}  # fmt: skip
+        if name in latency:
+            out[name]["wake_latency_ms_median"] = statistics.median(latency[name])
+            out[name]["wake_latency_ms_max"] = max(latency[name])
+    return out
+
+
 def host_at_gaps(gaps: Sequence[tuple[float, float]], spans: Iterable[tuple[float, float, str]],
                  every_ns: float = 10_000) -> dict[str, float]:
     """What the host was doing while the GPU sat idle: gaps (start, end) ns of an idle GPU,

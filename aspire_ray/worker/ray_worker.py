@@ -101,7 +101,7 @@ class ShardWorker:
         return self.worker.graph_counters()
 
     def graph_clock(self, start: bool) -> dict | None:
-        """Debug: start this rank's graph clock, or stop it and return its timeline summary
+        """Debug: start this rank's graph clock, or stop it and return what it recorded
         (``Worker.graph_clock``)."""
         return self.worker.graph_clock(start)
 

@@ -213,7 +213,7 @@ class Worker:
 
     def graph_clock(self, start: bool) -> dict | None:
         """Benchmarks: start timing every graph replay on the GPU (start=True; None), or stop
-        and return where the GPU idled between replays (``graph_clock.summarize``)."""
+        and return the replays and host marks on the GPU's clock (``GraphClock.collect``)."""
         if start:
             CLOCK.start()
             return None
