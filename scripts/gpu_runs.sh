@@ -17,7 +17,9 @@
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
-#     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls)
+#     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls;
+#     EXTRA "--dummy-shapes qwen2.5-coder-0.5b" runs it on random weights at the real shapes,
+#     with no model staged: one call after `bundle`, where device time is short)
 #   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
 #     through the paged kernel against SDPA, and the FLOP floor)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
