@@ -161,9 +161,11 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
     """The graph clock's record (``GraphClock.collect``: replays as (begin ms, end ms, phase)
     in launch order on one stream, host marks) -> the GPU's busy time in replays and its idle
     between them: in all, by size (``idle_gaps``' buckets), by the phases either side
-    ("before -> after"), busy by phase, the longest gaps, and per host mark the work queued
-    (``queued_at``)."""
+    ("before -> after"), busy by phase (and the host's time in those replay calls, when
+    recorded: ms past ~0.1 a launch say the launch queue was full), the longest gaps, and per
+    host mark the work queued (``queued_at``)."""
     intervals = raw["intervals"]
+    launches = raw.get("launch_ms") or [None] * len(intervals)
     busy = sum(e - b for b, e, _ in intervals)
     span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
     sized = idle_gaps([(b, e) for b, e, _ in intervals], intervals[0][0] if intervals else 0.0,
@@ -171,10 +173,13 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
     between: dict[str, dict] = {}
     by_phase: dict[str, dict] = {}
     gaps = []
-    for i, (b, e, phase) in enumerate(intervals):
+    for i, ((b, e, phase), launch) in enumerate(zip(intervals, launches, strict=True)):
         mine = by_phase.setdefault(phase, {"replays": 0, "busy_ms": 0.0})
         mine["replays"] += 1
         mine["busy_ms"] += e - b
+        if launch is not None:
+            mine["launch_host_ms"] = mine.get("launch_host_ms", 0.0) + launch
+            mine["launch_host_max_ms"] = max(mine.get("launch_host_max_ms", 0.0), launch)
         if i:
             gap, key = max(b - intervals[i - 1][1], 0.0), f"{intervals[i - 1][2]} -> {phase}"
             pair = between.setdefault(key, {"count": 0, "ms": 0.0, "max_ms": 0.0})

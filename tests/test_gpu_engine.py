@@ -200,6 +200,8 @@ def test_graph_clock_times_replays_on_gpu():
     phases = clock["by_phase"]
     assert {"async:run", "async:early", "async:continue"} <= set(phases), phases
     assert phases["async:continue"]["replays"] >= 3 * 12  # runs of 16 steps, 4 started early
+    assert len(raw["launch_ms"]) == clock["replays"] and min(raw["launch_ms"]) > 0
+    assert phases["async:continue"]["launch_host_max_ms"] >= 0
     host = clock["host"]  # the host's wait and launches, placed on the GPU's clock
     assert host["async:woke"]["count"] >= 3 and host["async:launch"]["count"] >= 3, host
     assert host["async:woke"]["wake_latency_ms_median"] > -1.0  # not before its tokens were

@@ -14,9 +14,9 @@ from helpers import scripts_imported
 from aspire_ray.worker.graph_clock import GraphClock
 
 
-def summarize(intervals, host=()):
+def summarize(intervals, host=(), launch_ms=None):
     with scripts_imported("floor_report") as (fr,):
-        return fr.clock_summary({"intervals": intervals, "host": host})
+        return fr.clock_summary({"intervals": intervals, "host": host, "launch_ms": launch_ms})
 
 
 def test_summarize_splits_busy_and_gaps_by_phase():
@@ -56,6 +56,18 @@ def test_host_marks_tell_the_work_queued_on_the_gpu():
                                "wake_latency_ms_max": 3.0}  # fmt: skip
     assert q["async:launch"]["queued_ms_min"] == -4.0 and q["async:launch"]["queued_ms_max"] == 2.5
     assert "wake_latency_ms_median" not in q["async:launch"]
+
+
+def test_host_time_in_replay_calls_by_phase():
+    # the continuation's second launch blocked 2.9 ms (a full launch queue): its phase's sum
+    # and max say so; a record without launch times gives none
+    intervals = [(0.0, 3.0, "async:continue"), (3.0, 6.0, "async:continue"),
+                 (6.0, 9.0, "async:early")]  # fmt: skip
+    phases = summarize(intervals, launch_ms=[0.02, 2.9, 0.03])["by_phase"]
+    assert phases["async:continue"]["launch_host_ms"] == pytest.approx(2.92)
+    assert phases["async:continue"]["launch_host_max_ms"] == pytest.approx(2.9)
+    assert phases["async:early"]["launch_host_max_ms"] == pytest.approx(0.03)
+    assert "launch_host_ms" not in summarize(intervals)["by_phase"]["async:early"]
 
 
 def test_summarize_of_nothing():

@@ -20,6 +20,10 @@ run. Negative: the GPU had run dry that long before. At "async:woke", with the n
 steps started early, the queued work should be those steps; at "async:launch" (the next plan
 about to launch its steps) it is what the host's planning left of them.
 
+The host's own time in each ``replay`` call is kept too: a launch returns in tens of
+microseconds unless the stream's launch queue is full, when it blocks until the GPU has drained
+enough of it (the host then runs in lock-step with the GPU, however early it launched).
+
 One clock per process (a shard's), off until ``start``; replays cost one branch while it is off.
 """
 
@@ -38,7 +42,8 @@ class GraphClock:
     def __init__(self) -> None:
         self.enabled = False
         self._phase = "other"
-        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
+        # (begin, end, phase, host seconds in the replay call)
+        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str, float]] = []
         # (perf_counter s, name, replays launched before, replays the host waited for or -1)
         self._host: list[tuple[float, str, int, int]] = []
         self.dropped = 0  # replays past MAX_REPLAYS
@@ -80,22 +85,25 @@ class GraphClock:
             return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        t0 = time.perf_counter()
         graph.replay()
+        launch = time.perf_counter() - t0
         end.record()
-        self._marks.append((begin, end, self._phase))
+        self._marks.append((begin, end, self._phase, launch))
 
     def collect(self) -> dict:
         """Stop; one device sync -> {"intervals": each replay as (begin ms, end ms, phase) in
-        launch order, "host": each mark as (ms on the same clock, name, replays launched
-        before it, replays waited for or -1), "dropped": replays not recorded}."""
+        launch order, "launch_ms": the host's ms in each replay call, "host": each mark as (ms
+        on the same clock, name, replays launched before it, replays waited for or -1),
+        "dropped": replays not recorded}."""
         marks, host, self._marks, self._host = self._marks, self._host, [], []
         self.enabled = False
         if not marks:
-            return {"intervals": [], "host": [], "dropped": self.dropped}
+            return {"intervals": [], "launch_ms": [], "host": [], "dropped": self.dropped}
         torch.cuda.synchronize()
         origin = marks[0][0]
         intervals = [(origin.elapsed_time(b), origin.elapsed_time(e), phase)
-                     for b, e, phase in marks]  # fmt: skip
+                     for b, e, phase, _ in marks]  # fmt: skip
         # the host's clock on the GPU's: an event recorded on an idle GPU runs at once
         probe = torch.cuda.Event(enable_timing=True)
         now = time.perf_counter()
@@ -103,7 +111,8 @@ class GraphClock:
         probe.synchronize()
         offset = 1e3 * now - origin.elapsed_time(probe)  # host ms - GPU ms
         at = [(1e3 * t - offset, name, before, waited) for t, name, before, waited in host]
-        return {"intervals": intervals, "host": at, "dropped": self.dropped}
+        return {"intervals": intervals, "launch_ms": [1e3 * m[3] for m in marks], "host": at,
+                "dropped": self.dropped}
 
 
 CLOCK = GraphClock()  # this process's
