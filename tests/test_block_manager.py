@@ -15,12 +15,12 @@ from aspire_ray.llm import build_engine_config
 
 def test_random_alloc_free_keeps_invariants():
     rng = random.Random(0)
-    bm = BlockManager(num_pages=50, page_size=16)
+    bm = BlockManager(num_pages=500, page_size=16)
     owned: dict[str, list[int]] = {}
     for _ in range(2000):
         owner = f"r{rng.randrange(8)}"
         if rng.random() < 0.55:
-            n = rng.randrange(1, 6)
+            n = rng.randrange(1, 6) if rng.random() < 0.8 else rng.randrange(30, 90)
             if bm.can_allocate(n):
                 owned.setdefault(owner, []).extend(bm.allocate(owner, n))
             else:
@@ -36,7 +36,7 @@ def test_random_alloc_free_keeps_invariants():
     for owner, pages in owned.items():
         bm.free(owner, pages)
     bm.check()
-    assert bm.num_free == 50
+    assert bm.num_free == 500
 
 
 def test_free_of_unowned_page_raises():
@@ -44,6 +44,32 @@ def test_free_of_unowned_page_raises():
     pages = bm.allocate("a", 2)
     with pytest.raises(RuntimeError):
         bm.free("b", pages)
+
+
+@pytest.mark.parametrize("n", [2, 3, 200])
+def test_a_bad_free_frees_nothing(n):
+    bm = BlockManager(3 * n, 16)
+    a, b = bm.allocate("a", n), bm.allocate("b", n)
+    assert len(set(a) | set(b)) == 2 * n and bm.num_used == 2 * n
+    for bad in (a[:-1] + b[-1:], a[:-1] + a[:1], a[:-1] + [3 * n]):
+        with pytest.raises(RuntimeError):
+            bm.free("a", bad)  # someone else's page, a page twice, no such page
+        bm.check()
+        assert bm.num_used == 2 * n
+    bm.free("a", a)
+    bm.free("b", b[::-1])
+    bm.check()
+    assert bm.num_free == 3 * n
+
+
+def test_long_and_short_lists_keep_the_lifo_order():
+    # pages come back in the order a loop of pops gives, whichever path serves the call
+    for n in (5, 100):
+        bm = BlockManager(300, 16)
+        first = bm.allocate("a", n)
+        assert first == list(range(n))
+        bm.free("a", first[2:])
+        assert bm.allocate("b", 3) == first[-1:-4:-1]
 
 
 @pytest.mark.parametrize("mode", ["ar", "aspire"])
