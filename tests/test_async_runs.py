@@ -117,6 +117,41 @@ def test_held_after_and_kinds_of_the_next_run():
     assert held_after([], 5) == 5
 
 
+def _result_tuple(res):
+    out = [(res.tokens, res.verified and (res.verified.tokens, res.verified.num_accepted))]
+    return out + [_result_tuple(r) for r in res.rounds]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_whole_run_taken_at_once_is_the_steps_taken_one_by_one(seed):
+    # AsyncTrack.take_run (the graphs' path: one call a row) against take at every step, on
+    # the flat step-major layout of several rows whose argmax often matches their drafts
+    import random
+
+    import numpy as np
+
+    rng = random.Random(seed)
+    steps = rng.choice([1, 5, 16])
+    rows = [RowPlan(f"r{i}", RowKind.DRAFT, [7], 100 + i, 0, [],
+                    verify_after=[7] + [rng.randrange(3) for _ in range(rng.randrange(3))],
+                    num_steps=steps, async_gamma=rng.randrange(1, 5)) for i in range(4)]
+    by_step, by_run = [AsyncTrack(r) for r in rows], [AsyncTrack(r) for r in rows]
+    layout = [[t.queries(s) for t in by_step] for s in range(steps)]
+    flat = [rng.randrange(3) for _ in range(sum(map(sum, layout)))]
+    at = 0
+    for s in range(steps):
+        for t, q in zip(by_step, layout[s], strict=True):
+            t.take(s, flat[at : at + q])
+            at += q
+    counts = np.asarray(layout, dtype=np.int64)
+    starts = (np.cumsum(counts) - counts.ravel()).reshape(counts.shape)
+    for r, t in enumerate(by_run):
+        t.take_run(np.asarray(flat, dtype=np.int64), starts[:, r])
+    for a, b in zip(by_step, by_run, strict=True):
+        assert (a.known, a.x_pos, a.visible) == (b.known, b.x_pos, b.visible)
+        assert _result_tuple(a.result()) == _result_tuple(b.result())
+
+
 def _async_plans(engine):
     """Record each asynchronous plan's rows."""
     plans, execute = [], engine.executor.execute

@@ -100,6 +100,7 @@ def graph_decode_chain(worker: Any, rows: list[RowPlan], steps: int,
         graphs.started = _start_next(worker, n, row_ids, rows, steps)
     flat, wait = pending.wait()
     CLOCK.mark("chain:woke", waited_for)
+    flat = flat.tolist()
     results = [RowResult(row.req_id, RowKind.VERIFY, flat[r * steps : (r + 1) * steps])
                for r, row in enumerate(rows)]  # fmt: skip
     if graphs.started is not None:

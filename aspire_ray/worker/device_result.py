@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 _ONES: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1] = 1: the "spin" flag's source
@@ -35,8 +36,8 @@ class DeviceResult:
         self.event = torch.cuda.Event()
         self.event.record()
 
-    def wait(self) -> tuple[list[int], float]:
-        """-> (the values, the seconds the host waited)."""
+    def wait(self) -> tuple[np.ndarray, float]:
+        """-> (the values, int64 [N] on the host, the seconds the host waited)."""
         t0 = time.perf_counter()
         if self.flag is not None:
             flag = self.flag.numpy()  # the pinned memory itself, read afresh each time
@@ -44,4 +45,5 @@ class DeviceResult:
                 time.sleep(0)  # lets other threads (the serving loop) run meanwhile
         elif self.event is not None:
             self.event.synchronize()  # the plan's one device sync
-        return self.host.tolist(), time.perf_counter() - t0
+        # a copy: the pinned buffer goes back to torch's cache when this object does
+        return self.host.numpy().copy(), time.perf_counter() - t0

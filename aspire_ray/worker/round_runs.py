@@ -89,6 +89,7 @@ def graph_rounds(worker: Any, rows: list[RowPlan], specs: list[SamplingSpec], st
         graphs.started = _start_next(worker, n, rows, steps, rounds)
     flat, wait = pending.wait()
     CLOCK.mark("round:woke", waited_for)
+    flat = flat.tolist()
     width, d = len(row_ids) * (2 * steps + 1), len(row_ids) * steps
     at = {row.req_id: row_ids.index(row.req_id) for row in rows}  # device row of each row
     by_round: list[list[RowResult]] = []
