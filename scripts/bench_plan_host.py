@@ -43,7 +43,10 @@ class _NoGraph:
 
 class HostOnlyGraphs(PiecewiseGraphs):
     """Graph pieces whose self-planning steps are never run: a capture returns a no-op graph
-    and an argmax buffer of zeros of the step's token bucket."""
+    and an argmax buffer of the step's token bucket, fixed: zeros (every draft accepted) or
+    ``tokens`` random ids (a draft matches its verification's argmax ~1/tokens of the time)."""
+
+    tokens = 1
 
     def inputs_for(self, t: int, kv_caches):
         self._bucket = t
@@ -54,12 +57,15 @@ class HostOnlyGraphs(PiecewiseGraphs):
         self.graphs[n] = []
 
     def capture_idle(self, fn, idle):
-        return _NoGraph(), torch.zeros(self._bucket, dtype=torch.long, device=self.device)
+        gen = torch.Generator().manual_seed(self._bucket)
+        out = torch.randint(self.tokens, (self._bucket,), generator=gen, dtype=torch.long)
+        return _NoGraph(), out.to(self.device)
 
 
-def host_only(worker) -> None:
+def host_only(worker, tokens: int = 1) -> None:
     """The worker's asynchronous runs on ``HostOnlyGraphs``; other steps (prefill) eager."""
     worker.graphs = HostOnlyGraphs(worker.model, worker.backend, 4096, worker.device, _NoGraph)
+    worker.graphs.tokens = tokens
     split = worker.refresh_layer if worker.selector.uses_scores else None
     worker.step_graphs = StepGraphs(worker.graphs, split, worker.max_q, 16, AttentionConfig())
     worker.async_graphs = worker._async_graphs()
@@ -68,7 +74,7 @@ def host_only(worker) -> None:
         raise SystemExit("this mode has no asynchronous runs")
 
 
-def run(batch: int, context: int, new: int, mode: str, profile: int) -> dict:
+def run(batch: int, context: int, new: int, mode: str, profile: int, tokens: int = 1) -> dict:
     pages = -(-(context + new + 64) // 16)
     llm = LLM(model="dummy", load_format="dummy", hf_overrides=DUMMY_SHAPES["tiny-qwen3"],
               device="cpu", dtype="float32", spec_mode="aspire", max_num_seqs=batch,
@@ -76,7 +82,7 @@ def run(batch: int, context: int, new: int, mode: str, profile: int) -> dict:
               **({"verify_quantum": int(mode[1:])} if mode.startswith("q") else {}))
     engine = llm.engine
     worker = engine.executor.worker
-    host_only(worker)
+    host_only(worker, tokens)
     rng = random.Random(0)
     vocab = engine.info.vocab_size
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -112,7 +118,8 @@ def run(batch: int, context: int, new: int, mode: str, profile: int) -> dict:
     if profile:
         pstats.Stats(prof, stream=stats).sort_stats("tottime").print_stats(40)
     engine_ms = [1e3 * (t - w) for t, w in zip(total, in_worker, strict=True)]
-    return {"batch": batch, "context": context, "mode": mode, "plans": len(total),
+    return {"batch": batch, "context": context, "mode": mode, "argmax_ids": tokens,
+            "plans": len(total),
             "host_ms_median": 1e3 * statistics.median(total),
             "worker_ms_median": 1e3 * statistics.median(in_worker),
             "engine_ms_median": statistics.median(engine_ms),
@@ -127,12 +134,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=384)
     p.add_argument("--mode", default="q4", help="q4: verify_quantum 4 (aspire/q4); plain")
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--argmax-ids", type=int, default=1,
+                   help="every step's argmax drawn from this many ids: 1, every draft accepted "
+                        "(the real model's high acceptance); large, almost none (random weights)")
     p.add_argument("--profile", type=int, default=0, help="plans profiled (cProfile): 0 off")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = [run(int(b), args.context, args.max_tokens, args.mode, args.profile)
-               for b in args.batch.split(",")]  # fmt: skip
+    results = [run(int(b), args.context, args.max_tokens, args.mode, args.profile,
+                   args.argmax_ids) for b in args.batch.split(",")]  # fmt: skip
     for r in results:
         print(f"batch {r['batch']}: host {r['host_ms_median']:.2f} ms a plan (worker "
               f"{r['worker_ms_median']:.2f}, engine {r['engine_ms_median']:.2f}); "

@@ -18,7 +18,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 def test_script_times_steady_plans_on_cpu(tmp_path):
     out = tmp_path / "host.json"
     cmd = [sys.executable, str(SCRIPTS / "bench_plan_host.py"), "--batch", "4", "--context",
-           "64", "--max-tokens", "96", "--threads", "1", "--profile", "2", "--out", str(out)]
+           "64", "--max-tokens", "96", "--threads", "1", "--profile", "2", "--argmax-ids", "50",
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
