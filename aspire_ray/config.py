@@ -353,9 +353,8 @@ class EngineConfig:
     gc_freeze: bool = True
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
-    # memory after them (no CUDA call in the wait). Kept to time one against the other: the
-    # s23 figures read as if the wait outlasted the steps queued after the tokens
-    # (docs/benchmarks.md §8.31).
+    # memory after them (no CUDA call in the wait). Timed in docs/benchmarks.md §8.34 (H100,
+    # random weights): the event wait already wakes 0.25 ms after the tokens; spin +0.3%.
     device_wait: str = "event"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -83,7 +83,7 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # (EngineConfig.gc_freeze, engine/heap.py)
     "nogcfreeze": {"gc_freeze": False},
     # the host polls a pinned flag for a graph run's tokens, not a CUDA event sync
-    # (EngineConfig.device_wait; docs/benchmarks.md §8.31)
+    # (EngineConfig.device_wait; docs/benchmarks.md §8.31, §8.34: no faster than the event)
     "spinwait": {"device_wait": "spin"},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
