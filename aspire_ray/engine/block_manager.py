@@ -4,8 +4,8 @@ Invariant after every public call: len(free) + used == num_pages, and no page is
 twice (page ids are global, shared by every TP rank).
 
 A 32k-token request holds ~2,000 pages: its pages are checked and returned with C-level list
-operations where they can be (``itemgetter``, ``count``, ``extend``), 1.7x faster than a
-dict per page (0.20 ms against 0.34 to allocate and free 2,000 pages, this CPU).
+operations where they can be (``itemgetter``, ``count``, ``extend``), not a dict lookup and
+delete per page.
 """
 
 from __future__ import annotations
