@@ -51,6 +51,37 @@ def _pick(vec, r, me):
 
 
 @triton.jit
+def _fit_chunk(n_pages, blocks, splittable, r_ok, spread, HKV: tl.constexpr,
+               SLOTS: tl.constexpr, RAMP: tl.constexpr, MIN_CHUNK: tl.constexpr,
+               FIT_SPLITS: tl.constexpr, FIT_GROUP: tl.constexpr):  # fmt: skip
+    """``paged_attention._fit_chunk``: the chunk of the cheapest of k = 1..FIT_SPLITS parts of
+    the longest splittable row, the first (longest chunk) on a tie. n_pages, blocks int32
+    [BLOCK_R]. The k are tried FIT_GROUP at a time as [FIT_GROUP, BLOCK_R] tiles (int32: a
+    row-at-a-time loop over k in int64 took 65 us a forward, docs/benchmarks.md §8.34)."""
+    n_max = tl.max(tl.where(splittable & r_ok, n_pages, 0), 0)
+    live = n_pages > 0
+    items_1 = tl.sum(tl.where(live, blocks, 0), 0)  # one chunk a row
+    best = tl.full([], 2147483647, tl.int32)
+    chunk = tl.maximum(n_max, MIN_CHUNK)
+    for g in tl.static_range(0, FIT_SPLITS, FIT_GROUP):
+        k = g + 1 + tl.arange(0, FIT_GROUP)  # [G]
+        c = tl.maximum((n_max + k - 1) // k, MIN_CHUNK)  # [G]
+        splits = tl.where(splittable[None, :], (n_pages[None, :] + c[:, None] - 1) // c[:, None],
+                          1)  # [G, R]  # fmt: skip
+        items = tl.sum(tl.where(live[None, :], splits * blocks[None, :], 0), 1)  # [G]
+        cost = (items * HKV + SLOTS - 1) // SLOTS * (c + RAMP)
+        # capacities hold spread items beyond one chunk a row (FixedPlan.for_rows)
+        cost = tl.where((k <= FIT_SPLITS) & (items <= spread + items_1), cost, 2147483647)
+        g_best = tl.min(cost, 0)
+        g_chunk = tl.sum(tl.where(k == tl.min(tl.where(cost == g_best, k, 2147483647), 0), c, 0),
+                         0)  # the group's first k at its least cost  # fmt: skip
+        better = g_best < best  # strict: an earlier group keeps a tie
+        chunk = tl.where(better, g_chunk, chunk)
+        best = tl.where(better, g_best, best)
+    return chunk
+
+
+@triton.jit
 def _write_items(buf_ptr, start, capacity, off, n_items, row, tokens, splits, per, kv_len,
                  part_base, PAGE_SIZE: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
     """Row ``row``'s n_items items (query tile b major, chunk s minor) at offset ``off``."""
@@ -83,7 +114,7 @@ def _plan_kernel(
     BALANCED: tl.constexpr,
     WIDE: tl.constexpr, ONE_LAUNCH: tl.constexpr, UNIFORM_Q: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
-    SLOTS: tl.constexpr, RAMP: tl.constexpr, FIT_SPLITS: tl.constexpr,
+    SLOTS: tl.constexpr, RAMP: tl.constexpr, FIT_SPLITS: tl.constexpr, FIT_GROUP: tl.constexpr,
 ):  # fmt: skip
     me = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
@@ -111,19 +142,8 @@ def _plan_kernel(
     if FIXED_CHUNK > 0:
         chunk = FIXED_CHUNK
     elif SLOTS > 0:  # the wave-fitted chunk: paged_attention._fit_chunk, item for item
-        splittable = n_q <= SPLIT_MAX_Q
-        n_max = tl.max(tl.where(splittable & r_ok, n_pages, 0), 0)
-        chunk = tl.maximum(n_max, MIN_CHUNK)
-        items_1 = tl.sum(tl.where(n_pages > 0, blocks, 0), 0)  # one chunk a row
-        best = (items_1 * HKV + SLOTS - 1) // SLOTS * (chunk + RAMP)
-        for k in range(2, FIT_SPLITS + 1):
-            c = tl.maximum((n_max + k - 1) // k, MIN_CHUNK)
-            splits_k = tl.where(splittable, (n_pages + c - 1) // c, 1)
-            items = tl.sum(tl.where(n_pages > 0, splits_k * blocks, 0), 0)
-            cost = (items * HKV + SLOTS - 1) // SLOTS * (c + RAMP)
-            better = (items <= spread + items_1) & (cost < best)
-            best = tl.where(better, cost, best)
-            chunk = tl.where(better, c, chunk)
+        chunk = _fit_chunk(n_pages.to(tl.int32), blocks.to(tl.int32), n_q <= SPLIT_MAX_Q, r_ok,
+                           spread, HKV, SLOTS, RAMP, MIN_CHUNK, FIT_SPLITS, FIT_GROUP)  # fmt: skip
     else:  # the host's math.ceil(total * hkv / target), target an integer here
         total = tl.sum(n_pages * blocks, 0)
         chunk = tl.maximum((total * HKV + target - 1) // target, MIN_CHUNK)
@@ -175,6 +195,13 @@ def _plan_kernel(
                          mask=ok)  # fmt: skip
 
 
+def _fit_group(rows: int) -> int:
+    """How many k the wave fit tries at once: [group, BLOCK_R] int32 tiles of ~4k entries
+    (32 registers a thread for each at 4 warps), the whole 1..FIT_SPLITS for <= 64 rows."""
+    block_r = max(16, triton.next_power_of_2(rows + 1))
+    return max(1, min(triton.next_power_of_2(FIT_SPLITS), 4096 // block_r))
+
+
 def fused_planning_fits(cfg: AttentionConfig, num_sms: int, block_ms: list[int]) -> bool:
     """Whether ``plan_into`` computes this plan exactly: the host's older float chunk rule is
     an integer ceiling only for an integral target (waves x SMs)."""
@@ -209,5 +236,5 @@ def plan_into(buffer: torch.Tensor, starts: list[int], capacity: int, merge_star
         ONE_LAUNCH=cfg.mixed_one_launch,
         UNIFORM_Q=uniform_q or 0, BLOCK_R=max(16, triton.next_power_of_2(rows + 1)),
         BLOCK_I=_ITEMS_BLOCK, SLOTS=(cfg.resident_programs or 0) * num_sms, RAMP=cfg.ramp_pages,
-        FIT_SPLITS=FIT_SPLITS, num_warps=4,
+        FIT_SPLITS=FIT_SPLITS, FIT_GROUP=_fit_group(rows), num_warps=4,
     )  # fmt: skip

@@ -206,8 +206,14 @@ class DecoderModel(nn.Module):
         """hidden [N, hidden] -> int64 [N], the logits' argmax taken in the model's dtype: its
         float32 copy orders every value (and tie) the same, so the tokens are those of
         ``compute_logits(hidden).argmax(-1)``, without the [N, vocab] float32 copy (~28 us a
-        64-row step at Qwen2.5's 152k vocabulary on an H200)."""
-        return self.lm_head.logits(hidden).argmax(dim=-1)
+        64-row step at Qwen2.5's 152k vocabulary on an H200). On a GPU the argmax is
+        ``kernels.argmax`` (two launches over every SM; torch's reduction keeps a row a block)."""
+        logits = self.lm_head.logits(hidden)
+        if fused_ops(logits):
+            from aspire_ray.kernels.argmax import argmax_rows
+
+            return argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def load_weights(self, weights) -> set[str]:
         """Load (hf_name, full tensor) pairs; returns the names of parameters loaded."""

@@ -274,3 +274,43 @@ def test_wave_fitted_chunks_fill_whole_waves(rows):
     old_chunk = max(old.min_chunk_pages, -(-int(n.sum()) * hkv // int(old.waves * sms)))
     old_programs = int((-(-n // old_chunk)).sum()) * hkv
     assert old_programs > 2 * slots if len(rows) != 64 or rows[0] != 140 else old_programs > slots
+
+
+@pytest.mark.parametrize("rows", [70, 140])
+def test_fused_planning_of_many_rows_fits_the_host_chunk(rows):
+    """Past 64 rows the plan kernel tries the wave fit's k a group at a time
+    (``plan_kernel._fit_group``): the chunk, and so every list, is still the host's, on rows
+    whose page counts give ties and a spread bound that binds."""
+    cfg = CONFIGS[1]  # small chunks: many k differ in cost
+    rng = np.random.default_rng(rows)
+    pages = rng.choice([1, 2, 7, 16, 33, 64, 150], size=rows).tolist()
+    n_q = rng.choice([1, 1, 1, 6], size=rows).tolist()
+    indptr = torch.tensor([0, *np.cumsum(pages).tolist()], dtype=torch.int32)
+    last = torch.tensor(rng.integers(1, PS + 1, rows).tolist(), dtype=torch.int32)
+    plan = FixedPlan.for_rows(rows, 64, 64, sum(pages), 8, 2, 64, torch.device("cpu"), cfg,
+                              wide_tiles=True)  # fmt: skip
+    assert plan.fused_planning
+    load = lambda p: p.load_rows(indptr, last, torch.tensor(n_q), PS)  # noqa: E731
+    fused, ops = _loaded(plan, True, load), _loaded(plan, False, load)
+    assert sum(count for count, _ in fused[:-1]) > 0
+    assert _same(fused, ops)
+
+
+@pytest.mark.parametrize("group", [None, 1, 2])
+def test_the_wave_fit_keeps_the_longest_chunk_on_a_tie(group, monkeypatch):
+    """Rows of 12, 95 and 76 pages on the CPU's 4 "SMs": k = 2 (48 pages) and k = 3 (32)
+    cost the same; the host takes the first. So does the plan kernel, whether the two k are
+    tried in one group or in groups of their own (``_fit_group`` forced to 1 or 2)."""
+    from aspire_ray.kernels import plan_kernel
+
+    if group is not None:
+        monkeypatch.setattr(plan_kernel, "_fit_group", lambda rows: group)
+    pages = [12, 95, 76]
+    indptr = torch.tensor([0, *np.cumsum(pages).tolist()], dtype=torch.int32)
+    last, n_q = torch.tensor([5, 16, 2], dtype=torch.int32), torch.tensor([1, 1, 1])
+    plan = FixedPlan.for_rows(3, 16, 16, sum(pages), 8, 2, 64, torch.device("cpu"), CONFIGS[1],
+                              wide_tiles=True)  # fmt: skip
+    load = lambda p: p.load_rows(indptr, last, n_q, PS)  # noqa: E731
+    fused, ops = _loaded(plan, True, load), _loaded(plan, False, load)
+    assert fused[0][0] == 1 + 2 + 2  # 48-page chunks (32: 1 + 3 + 3 items)
+    assert _same(fused, ops)
