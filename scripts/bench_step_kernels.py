@@ -119,14 +119,14 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "argmax": [], "plan": []}
+              "torch": torch.__version__, "argmax": [], "plan": []}  # fmt: skip
     for t in map(int, a.tokens.split(",")):
         result["argmax"].append(bench_argmax(t, a.vocab, a.padded_vocab, a.inner, a.repeats))
         print(result["argmax"][-1], flush=True)
     for r in map(int, a.rows.split(",")):
         v = max(1, round(r * a.verify_frac))
         result["plan"].append(bench_plan(r, v, a.context, a.draft_pages,
-                                         a.baseline_plan_kernel, a.inner, a.repeats))
+                                         a.baseline_plan_kernel, a.inner, a.repeats))  # fmt: skip
         print(result["plan"][-1], flush=True)
     if a.out:
         with open(a.out, "w") as f:
