@@ -351,6 +351,10 @@ class EngineConfig:
     # Freeze Python's heap once the engine is built (engine/heap.py): no garbage collection
     # then visits the ~200k objects of start-up (~100 ms between two plans when one did, a CPU).
     gc_freeze: bool = True
+    # On a GPU, decode-sized steps run the qkv projection with RoPE and the KV store, and the
+    # gate/up projection with SiLU-and-multiply, in one launch each (model/decoder.py
+    # QKV_ROPE_MAX_TOKENS, GATE_UP_SILU_MAX_TOKENS); False: cuBLAS and the separate kernels.
+    fused_epilogues: bool = True
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
     # memory after them (no CUDA call in the wait). Timed in docs/benchmarks.md §8.34 (H100,

@@ -6,8 +6,8 @@ Meaning: ``torch.argmax(x, dim=-1)`` (the first index of the largest value). Sha
     out: int64 [T]
 
 Why: a decode step takes the argmax of T = 64-128 rows of 152k logits. torch's reduction runs
-a row per block of threads, so 64 rows keep 64 SMs streaming ~300 KB each: ~30 us a forward on
-an H200 for ~20 MB (docs/benchmarks.md §8.34). Here stage 1 cuts every row into BLOCK-wide
+a row per block of threads, so 64 rows keep 64 SMs streaming ~300 KB each: 21.8 us for ~20 MB
+on an H100, 8.3 us here (docs/benchmarks.md §8.35). Here stage 1 cuts every row into BLOCK-wide
 chunks, one program each (T x V / BLOCK programs over every SM), each writing its chunk's
 largest value and the first index of it; stage 2 takes, per row, the largest of those, the
 first chunk on a tie, so the index is the first of the row's largest values. NaN is taken as

@@ -85,6 +85,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # the host polls a pinned flag for a graph run's tokens, not a CUDA event sync
     # (EngineConfig.device_wait; docs/benchmarks.md §8.31, §8.34: no faster than the event)
     "spinwait": {"device_wait": "spin"},
+    # cuBLAS qkv / gate_up and RoPE / SiLU as kernels of their own, not fused (model/decoder.py)
+    "nofused": {"fused_epilogues": False},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

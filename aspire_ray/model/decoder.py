@@ -52,7 +52,37 @@ class RMSNorm(nn.Module):
         return rms_norm_ref(x, self.weight, self.eps, residual)
 
 
+# Steps of at most this many tokens run the qkv projection with RoPE + the KV store, and the
+# gate/up projection with SiLU-and-multiply, in one launch each (kernels/qkv_rope.py,
+# gate_up_silu.py) in place of two or three: ~1-1.7 us a layer fewer at 64-128 tokens on an
+# H100 (docs/benchmarks.md §8.35). Longer steps keep cuBLAS and the separate kernels: at 256
+# tokens the fused gate/up is 1.4x cuBLAS + SiLU (the qkv still 0.92x).
+QKV_ROPE_MAX_TOKENS = 256
+GATE_UP_SILU_MAX_TOKENS = 128
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def set_fused_epilogues(model: nn.Module, on: bool) -> None:
+    """Decode-sized steps of ``model`` through the fused-epilogue projections (on, the default
+    on a GPU) or the separate kernels (off: ``EngineConfig.fused_epilogues``)."""
+    for m in model.modules():
+        if isinstance(m, (Attention, MLP)):
+            m.fused_epilogues = on
+
+
+def fused_epilogue(x: torch.Tensor, max_tokens: int) -> bool:
+    """Whether a projection of x [T, hidden] runs a fused-epilogue kernel (a GPU, Triton,
+    bf16 / fp16, at most max_tokens tokens). In the deterministic mode as well: those kernels
+    tile as ``invariant_linear`` does, so a row's bits do not depend on which path ran it.
+    float32 keeps cuBLAS: Triton's dot takes float32 inputs as tf32 on a GPU, which would part
+    the fp32 runs that check exactness from torch's float32 products."""
+    return (x.dim() == 2 and x.shape[0] <= max_tokens and x.dtype in _HALF
+            and fused_ops(x))  # fmt: skip
+
+
 class Attention(nn.Module):
+    fused_epilogues = True  # set_fused_epilogues
+
     def __init__(self, arch: ModelArch, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer = layer
@@ -73,6 +103,13 @@ class Attention(nn.Module):
         into q_out[:T] when given; with kv = (kv_cache, slot_mapping) k and v stored there by
         RoPE's launch)."""
         t = x.shape[0]
+        if self.fused_epilogues and self.q_norm is None and fused_epilogue(x, QKV_ROPE_MAX_TOKENS):
+            from aspire_ray.kernels.qkv_rope import qkv_rope
+
+            proj = self.qkv_proj
+            cache, slots = kv if kv is not None else (None, None)
+            return qkv_rope(x, proj.weight, proj.bias, positions, rotary.cos, rotary.sin, q_out,
+                            cache, slots, self.q_heads, self.kv_heads, self.head_dim)  # fmt: skip
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.q_heads, self.head_dim)
@@ -90,6 +127,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_epilogues = True  # set_fused_epilogues
+
     def __init__(self, arch: ModelArch, tp: TPGroup) -> None:
         super().__init__()
         inter = arch.intermediate_size
@@ -97,6 +136,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_epilogues and self.gate_up_proj.bias is None and fused_epilogue(
+                x, GATE_UP_SILU_MAX_TOKENS):
+            from aspire_ray.kernels.gate_up_silu import gate_up_silu
+
+            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
         if fused_ops(gate_up):
             from aspire_ray.kernels.activation import silu_and_mul

@@ -1,0 +1,67 @@
+"""The decoder's fused-epilogue projections (``model/decoder.py``: qkv with RoPE and the KV
+store, gate/up with SiLU-and-multiply) give what its separate ops give: a layer's q, k, v, the
+cache it fills and its MLP output, run under Triton's interpreter on the CPU with the GPU path
+forced on. ``EngineConfig.fused_epilogues`` turns them off."""
+
+import pytest
+import torch
+
+from aspire_ray.model import decoder
+from aspire_ray.model.arch import ModelArch
+from aspire_ray.tp import single_rank
+
+ARCH = ModelArch(
+    model_type="qwen2", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=96, vocab_size=50, rms_norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=True, qkv_bias=True,
+    qk_norm=False, eos_token_ids=(0,),
+)  # fmt: skip
+
+
+@pytest.fixture
+def layer():
+    torch.manual_seed(0)
+    layer = decoder.DecoderLayer(ARCH, 0, single_rank())
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    return layer
+
+
+def _run(layer, monkeypatch, fused: bool):
+    """A 5-token step of the layer: (q, k, v, the cache, the MLP's output)."""
+    monkeypatch.setattr(decoder, "fused_ops", lambda x: True)  # the GPU path, interpreted
+    monkeypatch.setattr(decoder, "_HALF", (torch.float32,))  # (the interpreter's bf16 dot is off)
+    decoder.set_fused_epilogues(layer, fused)
+    rotary = decoder.RotaryEmbedding(ARCH.head_dim, ARCH.rope_theta, 128, None)
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(5, ARCH.hidden_size, generator=gen)
+    positions = torch.tensor([3, 4, 17, 18, 19])
+    cache = torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim)
+    slots = torch.tensor([3, 4, 9, -1, 31])  # a padding token: no slot
+    with torch.no_grad():
+        q, k, v = layer.self_attn.qkv(h, positions, rotary, None, (cache, slots))
+        out = layer.mlp(h)
+    return q, k, v, cache, out
+
+
+def test_fused_projections_give_the_separate_ops_results(layer, monkeypatch):
+    calls = []
+    real = decoder.fused_epilogue
+    monkeypatch.setattr(decoder, "fused_epilogue", lambda x, n: calls.append(n) or real(x, n))
+    fused = _run(layer, monkeypatch, True)
+    assert len(calls) == 2  # qkv and gate/up took the fused kernels
+    separate = _run(layer, monkeypatch, False)
+    assert len(calls) == 2  # switched off: never asked
+    for got, expected in zip(fused, separate, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert separate[3].abs().sum() > 0
+
+
+def test_long_steps_keep_the_separate_ops(monkeypatch):
+    half = torch.bfloat16
+    assert not decoder.fused_epilogue(torch.zeros(5, 8, dtype=half), 256)  # a CPU tensor: never
+    monkeypatch.setattr(decoder, "fused_ops", lambda x: True)
+    for n in (decoder.QKV_ROPE_MAX_TOKENS, decoder.GATE_UP_SILU_MAX_TOKENS):
+        assert decoder.fused_epilogue(torch.zeros(n, 8, dtype=half), n)
+        assert not decoder.fused_epilogue(torch.zeros(n + 1, 8, dtype=half), n)
+        assert not decoder.fused_epilogue(torch.zeros(n, 8), n)  # float32: tf32 on a GPU
