@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear import LinearConfig, invariant_config
+from .linear import LinearConfig, dot_precision, invariant_config
 
 
 def gate_up_silu_config(n: int, k: int) -> LinearConfig:
@@ -42,6 +42,7 @@ def gate_up_silu_config(n: int, k: int) -> LinearConfig:
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -59,8 +60,10 @@ def _gate_up_silu_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = tl.dot(x, tl.load(w_gate + k[:, None], mask=w_mask, other=0.0), acc_g)
-        acc_u = tl.dot(x, tl.load(w_up + k[:, None], mask=w_mask, other=0.0), acc_u)
+        w_g = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)
+        w_u = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)
+        acc_g = tl.dot(x, w_g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, w_u, acc_u, input_precision=PRECISION)
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)  # gate and up as F.linear rounds them
     up = acc_u.to(dt).to(tl.float32)
@@ -89,6 +92,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = No
     _gate_up_silu_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
     )  # fmt: skip
     return out

@@ -43,11 +43,17 @@ def invariant_config(n: int, k: int) -> LinearConfig:
     return LinearConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
 
 
+def dot_precision(x: torch.Tensor) -> str:
+    """tl.dot's input precision for x's dtype: float32 as float32 ("ieee"; the default, tf32,
+    rounds float32 inputs to 10 mantissa bits on a GPU), 16-bit types as they are."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -63,7 +69,7 @@ def _linear_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)  # [BM, BK] @ [BK, BN]
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -94,6 +100,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     _linear_kernel[grid](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, PRECISION=dot_precision(x), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

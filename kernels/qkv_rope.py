@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear import LinearConfig, invariant_config
+from .linear import LinearConfig, dot_precision, invariant_config
 
 
 def qkv_rope_config(n: int, k: int) -> LinearConfig:
@@ -54,6 +54,7 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_n = tl.program_id(0)
@@ -75,8 +76,10 @@ def _qkv_rope_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & j_ok[None, :]
-        acc1 = tl.dot(x, tl.load(w1 + k[:, None], mask=w_mask, other=0.0), acc1)  # [BM, BH]
-        acc2 = tl.dot(x, tl.load(w2 + k[:, None], mask=w_mask, other=0.0), acc2)
+        w_1 = tl.load(w1 + k[:, None], mask=w_mask, other=0.0)
+        w_2 = tl.load(w2 + k[:, None], mask=w_mask, other=0.0)
+        acc1 = tl.dot(x, w_1, acc1, input_precision=PRECISION)  # [BM, BH]
+        acc2 = tl.dot(x, w_2, acc2, input_precision=PRECISION)
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + rn, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + rn + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -191,6 +194,6 @@ def qkv_rope(
         cs[2], cs[3], HQ=hq, HK=hk, HEAD_DIM=d, TILES=tiles, HAS_BIAS=bias is not None,
         STORE=store, PAGE_SIZE=kv_cache.shape[2] if store else 1, BLOCK_M=cfg.block_m,
         BLOCK_H=cfg.block_n // 2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
     )  # fmt: skip
     return q_out[:t], kv_out[0], kv_out[1]

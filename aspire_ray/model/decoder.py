@@ -74,8 +74,9 @@ def fused_epilogue(x: torch.Tensor, max_tokens: int) -> bool:
     """Whether a projection of x [T, hidden] runs a fused-epilogue kernel (a GPU, Triton,
     bf16 / fp16, at most max_tokens tokens). In the deterministic mode as well: those kernels
     tile as ``invariant_linear`` does, so a row's bits do not depend on which path ran it.
-    float32 keeps cuBLAS: Triton's dot takes float32 inputs as tf32 on a GPU, which would part
-    the fp32 runs that check exactness from torch's float32 products."""
+    float32 keeps cuBLAS: the fp32 runs that check exactness compare steps of every size, and
+    a Triton product is not bitwise cuBLAS's (before ``linear.dot_precision`` its dot also took
+    float32 as tf32: ``magicdec``'s fp32 graphs parted from eager on an H100, §8.35)."""
     return (x.dim() == 2 and x.shape[0] <= max_tokens and x.dtype in _HALF
             and fused_ops(x))  # fmt: skip
 
