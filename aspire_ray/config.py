@@ -355,11 +355,6 @@ class EngineConfig:
     # gate/up projection with SiLU-and-multiply, in one launch each (model/decoder.py
     # QKV_ROPE_MAX_TOKENS, GATE_UP_SILU_MAX_TOKENS); False: cuBLAS and the separate kernels.
     fused_epilogues: bool = True
-    # Launch the decode step's Triton kernels (norms, projections with fused epilogues,
-    # attention and its merge, RoPE, SiLU, argmax) with programmatic dependent launch: on a
-    # Hopper GPU each is dispatched while its predecessor drains and waits on the device
-    # (kernels/pdl.py). Off until timed (docs/benchmarks.md §8.35).
-    pdl: bool = False
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
     # memory after them (no CUDA call in the wait). Timed in docs/benchmarks.md §8.34 (H100,

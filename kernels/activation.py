@@ -11,13 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, prologue
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr,
-                         GDC: tl.constexpr):  # fmt: skip
-    prologue(GDC)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -39,5 +35,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(m, triton.cdiv(n, block))](x, out, x.stride(0), N=n, BLOCK=block,
-                                                      num_warps=4, **launch_options())  # fmt: skip
+                                                      num_warps=4)  # fmt: skip
     return out

@@ -20,15 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, prologue
-
 BLOCK = 4096  # logits a stage-1 program reads: 37 chunks a row of Qwen2.5's 151,936
 
 
 @triton.jit
 def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_xt, n_chunks,
-                      BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-    prologue(GDC)
+                      BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -42,8 +39,7 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_xt, n_chunks,
 
 
 @triton.jit
-def _row_max_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr, GDC: tl.constexpr):
-    prologue(GDC)
+def _row_max_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     ok = c < n_chunks
@@ -73,7 +69,7 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     val = torch.empty(t, n_chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(t, n_chunks, dtype=torch.int32, device=x.device)
     _chunk_max_kernel[(t, n_chunks)](x, val, idx, v, x.stride(0), n_chunks, BLOCK=BLOCK,
-                                     num_warps=8, **launch_options())  # fmt: skip
+                                     num_warps=8)  # fmt: skip
     _row_max_kernel[(t,)](val, idx, out, n_chunks, CHUNKS=triton.next_power_of_2(n_chunks),
-                          num_warps=1, **launch_options())  # fmt: skip
+                          num_warps=1)  # fmt: skip
     return out

@@ -18,16 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, prologue
-
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_xm, stride_xh, stride_rm, eps,
     HEADS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     pid = tl.program_id(0)
     m = (pid // HEADS).to(tl.int64)
     h = pid % HEADS
@@ -74,6 +70,6 @@ def rms_norm(
         x, residual if residual is not None else x, weight, out, x.stride(0),
         x.stride(1) if x.dim() == 3 else 0, residual.stride(0) if residual is not None else 0,
         eps, HEADS=heads, N=n, BLOCK=block, ADD_RESIDUAL=residual is not None,
-        num_warps=min(8, max(1, block // 256)), **launch_options(),
+        num_warps=min(8, max(1, block // 256)),
     )  # fmt: skip
     return out

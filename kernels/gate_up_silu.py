@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .linear import LinearConfig, dot_precision, invariant_config
-from .pdl import launch_options, prologue
 
 
 def gate_up_silu_config(n: int, k: int) -> LinearConfig:
@@ -43,9 +42,8 @@ def gate_up_silu_config(n: int, k: int) -> LinearConfig:
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -94,6 +92,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = No
     _gate_up_silu_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PRECISION=dot_precision(x), **launch_options(),
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
     )  # fmt: skip
     return out

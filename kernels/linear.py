@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, prologue
-
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -55,9 +53,8 @@ def dot_precision(x: torch.Tensor) -> str:
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -104,6 +101,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=dot_precision(x), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options(),
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

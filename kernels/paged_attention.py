@@ -46,7 +46,6 @@ from .attention_config import (
 from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
-from .pdl import launch_options, prologue
 from .plan_kernel import fused_planning_fits, plan_into
 from .sdpa_rows import sdpa_row_ids, sdpa_rows
 
@@ -82,9 +81,8 @@ def _attn_kernel(
     num_q_heads, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     # The grid covers the plan's capacity x kv heads, kv head minor: the step's item count is
     # read on the device (a CUDA graph replays the same launch for any step that fits), and
     # the programs past it come last, so that the hardware dispatches every real program
@@ -174,9 +172,8 @@ def _attn_kernel(
 def _merge_kernel(
     out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, count_ptr, capacity, stride_ot, stride_oh,
     num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-    RETURN_LSE: tl.constexpr, GDC: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     # One program per (split query token, HEAD_BLOCK heads); SPLIT_BLOCK splits are loaded at
     # once, so a row split 100 ways merges in a few dependent steps rather than 100.
     pt = tl.program_id(0)
@@ -657,7 +654,7 @@ def paged_attention(
             BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
             DOT_PRECISION=precision, UPCAST=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
-            **register_cap(config, block_m), **launch_options(),
+            **register_cap(config, block_m),
         )  # fmt: skip
 
     side_by_side(plan.launches, launch_attention, q.device, config.concurrent_launches)
@@ -669,6 +666,6 @@ def paged_attention(
             out, lse, opart, lpart, merge.work, merge.count, merge.capacity, out.stride(0),
             out.stride(1), hq, HEAD_DIM=d, HEAD_BLOCK=head_block,
             SPLIT_BLOCK=config.merge_split_block,
-            RETURN_LSE=return_lse, num_warps=4, **launch_options(),
+            RETURN_LSE=return_lse, num_warps=4,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from .linear import LinearConfig, dot_precision, invariant_config
-from .pdl import launch_options, prologue
 
 
 def qkv_rope_config(n: int, k: int) -> LinearConfig:
@@ -55,9 +54,8 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    prologue(GDC)
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -196,6 +194,6 @@ def qkv_rope(
         cs[2], cs[3], HQ=hq, HK=hk, HEAD_DIM=d, TILES=tiles, HAS_BIAS=bias is not None,
         STORE=store, PAGE_SIZE=kv_cache.shape[2] if store else 1, BLOCK_M=cfg.block_m,
         BLOCK_H=cfg.block_n // 2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PRECISION=dot_precision(x), **launch_options(),
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
     )  # fmt: skip
     return q_out[:t], kv_out[0], kv_out[1]

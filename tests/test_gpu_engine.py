@@ -185,19 +185,6 @@ def test_spin_wait_gives_the_same_tokens_on_gpu(mode):
     assert counters[continued] >= 3, counters
 
 
-@pytest.mark.parametrize("mode", ["ar", "aspire_fixed", "aspire"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_programmatic_dependent_launch_gives_the_same_tokens_on_gpu(mode, dtype):
-    # EngineConfig.pdl: the Triton kernels launched with PDL wait for their predecessor on the
-    # device (kernels/pdl.py); the arithmetic is the same, so the output is bit for bit
-    from aspire_ray.kernels import pdl
-
-    launched = _run(mode, dtype, max_tokens=64, pdl=True)
-    assert pdl.enabled() == (torch.cuda.get_device_capability()[0] >= 9)
-    assert launched == _run(mode, dtype, max_tokens=64)
-    assert not pdl.enabled()  # each engine sets the switch: off again
-
-
 def test_graph_clock_times_replays_on_gpu():
     # every replay bracketed on the GPU's clock (the engine's warm-up included, phase
     # "other"): busy and idle add up to the span, the asynchronous runs' phases are named

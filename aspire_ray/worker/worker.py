@@ -84,10 +84,6 @@ class Worker:
         if cfg.deterministic:
             set_batch_invariant(self.model)
         set_fused_epilogues(self.model, cfg.fused_epilogues)
-        if self.device.type == "cuda":  # (the kernels import triton: a CPU install has none)
-            from aspire_ray.kernels import pdl
-
-            pdl.set_enabled(cfg.pdl and torch.cuda.get_device_capability(self.device)[0] >= 9)
         self.arch = self.model.arch
         self.page_size = cfg.cache.page_size
         self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options,
