@@ -157,13 +157,28 @@ def long_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
 CLOCK_GAP_BUCKETS_MS = (0.01, 0.1, 1.0)  # the graph clock's gaps: <= 10 us, 100 us, 1 ms, longer
 
 
+def by_kind(intervals: list, kinds: list[str] | None) -> dict:
+    """GPU ms of each step kind's replays (the graph a replay ran: "draft", "verify",
+    "async", "decode", ...): count, total, mean and median a replay. A draft step of the
+    synchronized rounds is timed here as it runs in them, between the plan's other graphs,
+    not alone (bench_floor's host-planned steps)."""
+    if not kinds:
+        return {}
+    times: dict[str, list[float]] = {}
+    for (b, e, _), kind in zip(intervals, kinds, strict=True):
+        times.setdefault(kind, []).append(e - b)
+    return {kind: {"replays": len(ms), "busy_ms": sum(ms), "mean_ms": sum(ms) / len(ms),
+                   "median_ms": statistics.median(ms)}
+            for kind, ms in sorted(times.items())}  # fmt: skip
+
+
 def clock_summary(raw: dict, longest: int = 8) -> dict:
     """The graph clock's record (``GraphClock.collect``: replays as (begin ms, end ms, phase)
     in launch order on one stream, host marks) -> the GPU's busy time in replays and its idle
     between them: in all, by size (``idle_gaps``' buckets), by the phases either side
     ("before -> after"), busy by phase (and the host's time in those replay calls, when
     recorded: ms past ~0.1 a launch say the launch queue was full), the longest gaps, and per
-    host mark the work queued (``queued_at``)."""
+    host mark the work queued (``queued_at``); GPU ms by step kind (``by_kind``)."""
     intervals = raw["intervals"]
     launches = raw.get("launch_ms") or [None] * len(intervals)
     busy = sum(e - b for b, e, _ in intervals)
@@ -190,6 +205,7 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
     gaps.sort(reverse=True)
     return {
         "replays": len(intervals), "dropped": raw.get("dropped", 0), "span_ms": span,
+        "by_kind": by_kind(intervals, raw.get("kinds")),
         "busy_ms": busy, "gap_ms": span - busy, "idle_frac": (span - busy) / span if span else 0.0,
         "gaps": [{"upto_ms": hi, "count": n, "ms": t}
                  for hi, (n, t) in zip((*CLOCK_GAP_BUCKETS_MS, None), sized, strict=True)],

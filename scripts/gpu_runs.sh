@@ -106,6 +106,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(f"{r['mode']}: {r['tokens_per_s']:.0f} tok/s; replays {c.get('replays')}, busy "
           f"{c.get('busy_ms', 0):.1f} ms, gaps {c.get('gap_ms', 0):.1f} ms "
           f"({100 * c.get('idle_frac', 0):.1f}%)")
+    for k, v in c.get("by_kind", {}).items():
+        print(f"   kind {k}: {v['replays']} replays, {v['median_ms']:.3f} ms a replay (median; "
+              f"mean {v['mean_ms']:.3f})")
     for k, v in c.get("by_phase", {}).items():
         print(f"   phase {k}: {v['replays']} replays, busy {v['busy_ms']:.1f} ms, host in "
               f"launches {v.get('launch_host_ms', 0):.2f} ms (max {v.get('launch_host_max_ms', 0):.3f})")

@@ -205,6 +205,10 @@ def test_graph_clock_times_replays_on_gpu():
     host = clock["host"]  # the host's wait and launches, placed on the GPU's clock
     assert host["async:woke"]["count"] >= 3 and host["async:launch"]["count"] >= 3, host
     assert host["async:woke"]["wake_latency_ms_median"] > -1.0  # not before its tokens were
+    # each replay filed under its graph's step kind: the runs' steps, the warm-up's others
+    kinds = clock["by_kind"]
+    assert kinds["async"]["replays"] >= phases["async:continue"]["replays"], kinds
+    assert sum(k["replays"] for k in kinds.values()) == clock["replays"]
 
 
 @pytest.mark.parametrize("mode", ["ar", "magicdec", "aspire_fixed", "aspire"])

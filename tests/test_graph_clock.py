@@ -14,9 +14,10 @@ from helpers import scripts_imported
 from aspire_ray.worker.graph_clock import GraphClock
 
 
-def summarize(intervals, host=(), launch_ms=None):
+def summarize(intervals, host=(), launch_ms=None, kinds=None):
     with scripts_imported("floor_report") as (fr,):
-        return fr.clock_summary({"intervals": intervals, "host": host, "launch_ms": launch_ms})
+        return fr.clock_summary({"intervals": intervals, "host": host, "launch_ms": launch_ms,
+                                 "kinds": kinds})  # fmt: skip
 
 
 def test_summarize_splits_busy_and_gaps_by_phase():
@@ -108,3 +109,17 @@ def test_sync_sites_count_synchronizing_calls_by_line():
         sites = bd.sync_sites(log)
     assert len(sites) == 1 and list(sites.values()) == [2]
     assert next(iter(sites)).split(":")[0].endswith("test_graph_clock.py")
+
+
+def test_replays_are_timed_by_step_kind():
+    # a synchronized round: three draft steps and a verification, then `ar`-free idle; the
+    # draft steps' GPU time is theirs inside the round (not a host-planned step's)
+    intervals = [(0.0, 1.0, "round:run"), (1.0, 2.2, "round:run"), (2.2, 3.2, "round:run"),
+                 (3.2, 8.2, "round:run")]  # fmt: skip
+    kinds = summarize(intervals, kinds=["draft", "draft", "draft", "verify"])["by_kind"]
+    assert kinds["draft"]["replays"] == 3 and kinds["verify"]["replays"] == 1
+    assert kinds["draft"]["busy_ms"] == pytest.approx(3.2)
+    assert kinds["draft"]["median_ms"] == pytest.approx(1.0)
+    assert kinds["draft"]["mean_ms"] == pytest.approx(3.2 / 3)
+    assert kinds["verify"]["median_ms"] == pytest.approx(5.0)
+    assert summarize(intervals)["by_kind"] == {}  # an older record: no kinds

@@ -118,7 +118,7 @@ class AsyncStepGraphs:
                                             device=p.device)  # fmt: skip
             self._layout(self.page_table.table.shape[1])
             fn = lambda: self._step(n, t, kv_caches)  # noqa: E731
-            graph, out = p.capture_idle(fn, [self.state[n]])
+            graph, out = p.capture_idle(fn, [self.state[n]], "async")
         self.graphs[n, t], self.argmax[n, t] = graph, out
 
     def capture_all(self, rows: int, kv_caches: list[torch.Tensor]) -> None:

@@ -40,6 +40,7 @@ class _CudaGraph:
     def __init__(self, pool, stream: torch.cuda.Stream, mode: str = "global") -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool, self.stream, self.mode = pool, stream, mode
+        self.kind = "piece"  # the step kind the graph clock files its replays under
 
     def capture(self, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         # capture_begin/end rather than torch.cuda.graph(): that one also runs gc.collect()
@@ -61,7 +62,7 @@ class _CudaGraph:
         return out
 
     def replay(self) -> None:
-        CLOCK.replay(self.graph)  # timed while the clock runs (benchmarks)
+        CLOCK.replay(self.graph, self.kind)  # timed while the clock runs (benchmarks)
 
 
 class EagerGraph:
@@ -70,6 +71,7 @@ class EagerGraph:
 
     def __init__(self, pool=None, stream=None) -> None:
         self.fn, self.out = None, None
+        self.kind = "piece"
 
     def capture(self, fn):
         self.fn, self.out = fn, fn()
@@ -155,16 +157,18 @@ class PiecewiseGraphs:
             self.run_captures(pieces)  # eager once: JIT compiles, the stream's cuBLAS workspace
             self.graphs[n], self.hidden[n] = self.run_captures(pieces, capture=True)
 
-    def capture_idle(self, fn, idle: list[torch.Tensor]):
+    def capture_idle(self, fn, idle: list[torch.Tensor], kind: str):
         """fn (a self-planning step) run once eagerly, then captured into one graph, each time
         with the ``idle`` buffers zeroed (they say which rows are live: none, so neither run
-        writes KV or scores) -> (the graph, its output)."""
+        writes KV or scores) -> (the graph, its output). kind: the step kind of its replays
+        (the graph clock's ``by_kind``: "draft", "decode", "verify", "async")."""
         for t in idle:
             t.zero_()
         self.run_captures([fn])
         for t in idle:
             t.zero_()
         (graph,), out = self.run_captures([fn], capture=True)
+        graph.kind = kind
         return graph, out
 
     def run_captures(self, fns: list, capture: bool = False):

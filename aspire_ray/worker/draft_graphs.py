@@ -69,14 +69,15 @@ class DraftStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
                  max_rows: int, stream: Stream = Stream.DRAFT,
-                 max_steps: int = 0, fused_rows: bool = True) -> None:  # fmt: skip
+                 max_steps: int = 0, fused_rows: bool = True,
+                 kind: str = "draft") -> None:  # fmt: skip
         """refresh: the refresh layer attends to full lists and rescores (refresh while
         drafting with a scored policy); max_rows: the most rows of a chain; stream: the random
         stream sampled rows draw from (drafts; the target's for ar's decode chains);
         max_steps: the longest chain whose verification replays a graph (``run_rounds``; 0:
         none); fused_rows: rows planned (and rounds accepted) in one launch each
-        (``step_rows``)."""
-        self.stream, self.fused_rows = stream, fused_rows
+        (``step_rows``); kind: its steps' name on the graph clock ("decode": ar's chains)."""
+        self.stream, self.fused_rows, self.kind = stream, fused_rows, kind
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
@@ -173,7 +174,7 @@ class DraftStepGraphs:
                                             device=p.device)  # fmt: skip
             self._layout(self.page_table.table.shape[1])
             fn = lambda: self._step(n, variant, kv_caches)  # noqa: E731
-            graph, _ = p.capture_idle(fn, [self.state[n]])
+            graph, _ = p.capture_idle(fn, [self.state[n]], self.kind)
         self.graphs[n, variant] = graph
 
     # ---- the captured step ---------------------------------------------------------------------

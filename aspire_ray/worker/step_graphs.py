@@ -116,6 +116,8 @@ class StepGraphs:
             plan.clear()  # no work items: the warm-up run only compiles
             p.run_captures(fns)  # eager once (compiles), then captured
             graphs, out = p.run_captures(fns, capture=True)
+        for graph in graphs:
+            graph.kind = "step"
         self.graphs[n], self.hidden[n], self.metas[n] = graphs, out, meta
 
     # ---- one step ------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class VerifyGraphs:
         with torch.inference_mode():
             p.inputs_for(t, kv_caches)
             fn = lambda: self._step(n, q, t, kv_caches)  # noqa: E731
-            graph, out = p.capture_idle(fn, [state, start])
+            graph, out = p.capture_idle(fn, [state, start], "verify")
         self.graphs[n, q], self.argmax[n, q] = graph, out
 
     def replay(self, n: int, q: int) -> torch.Tensor:

@@ -154,7 +154,7 @@ class Worker:
             return None if spec.ar_chain == 1 else DraftStepGraphs(
                 self.step_graphs, FullPages(spec), self.refresh_layer, False, self.page_table,
                 None, rows, stream=Stream.TARGET,
-                fused_rows=self.cfg.fused_row_planning)  # fmt: skip
+                fused_rows=self.cfg.fused_row_planning, kind="decode")  # fmt: skip
         if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
