@@ -25,13 +25,22 @@ import sys
 import time
 
 import torch
-from bench_decode import DUMMY_SHAPES, _empty_cache, mode_options, prefill_batch, random_prompts
+from bench_decode import (
+    DUMMY_SHAPES,
+    _empty_cache,
+    _worker_call,
+    mode_options,
+    prefill_batch,
+    random_prompts,
+)
 from floor_report import (
     SPLIT,
     Row,
     async_run_rows,
+    clock_summary,
     draft_slopes,
     gap_borders,
+    graph_kinds_table,
     host_at_gaps,
     idle_gaps,
     idle_per_step,
@@ -307,12 +316,16 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     for _ in range(args.warmup):  # graph buckets, kernel compiles, the pool's first pages
         engine.step()
     rec.steps.clear()
+    on_gpu = torch.device(args.device).type == "cuda"
+    if on_gpu:  # every graph replay timed on the GPU, by its step kind (graph_clock.py)
+        _worker_call(engine, "graph_clock", True)
     walls = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         engine.step()
         if len(rec.steps) > len(walls):  # a step with no rows never reaches the worker
             walls.append(time.perf_counter() - t0)
+    clock = clock_summary(_worker_call(engine, "graph_clock", False)) if on_gpu else None
     count_bytes = StepBytes(engine, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
     steps = [
         {
@@ -328,7 +341,6 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
     ]
     if args.cprofile:
         host_profile(engine, args.cprofile, mode)
-    on_gpu = torch.device(args.device).type == "cuda"
     idle = gpu_idle(engine, rec, args.profile_steps, args.gap_hosts) \
         if on_gpu and args.profile_steps else None  # fmt: skip
     for kind, names in {p["kind"]: p["kernels"] for p in idle or []}.items():
@@ -345,7 +357,8 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
             bucket = f"<= {g['upto_us']:g} us" if g["upto_us"] else "longer"
             print(f"{mode} {kind}: idle gaps {bucket}: {g['count']:.0f} per step, "
                   f"{g['ms']:.3f} ms", file=sys.stderr)  # fmt: skip
-    return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle}
+    return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle,
+            "graph_kinds": clock["by_kind"] if clock else {}}  # fmt: skip
 
 
 def host_profile(engine, steps: int, mode: str) -> None:
@@ -449,6 +462,9 @@ def main() -> None:
         f"{gpu}, torch {torch.__version__}, triton {triton_version}"
     )
     print(table(results, bw))
+    if any(r["graph_kinds"] for r in results):  # the steps as they run in their plans
+        print()
+        print(graph_kinds_table(results))
     slopes = draft_slopes(results)
     if slopes:  # modes at two gammas: their draft step alone
         print()

@@ -380,6 +380,26 @@ def table(results: list[dict], bw: dict) -> str:
     return "\n".join(lines)
 
 
+# the graph clock's step kinds named as bench_floor's step kinds (`ar`'s chains replay "decode")
+_CLOCK_KINDS = {"decode": "ar"}
+
+
+def graph_kinds_table(results: list[dict]) -> str:
+    """Per mode, each graph kind's GPU ms a replay on the graph clock (``by_kind``: the steps
+    as they run in their plans, rounds and runs, unprofiled) against the floor of bench_floor's
+    step kind of that name, where the mode timed one (its bytes / bandwidth)."""
+    lines = ["| mode | graph kind | replays | GPU ms a replay (median) | floor ms | ratio |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        for kind, g in r.get("graph_kinds", {}).items():
+            step = r["kinds"].get(_CLOCK_KINDS.get(kind, kind))
+            floor = f"{step['floor_ms']:.3f} | {g['median_ms'] / step['floor_ms']:.2f}x" \
+                if step else "- | -"  # fmt: skip
+            lines.append(f"| {r['mode']} | {kind} | {g['replays']} | {g['median_ms']:.3f} "
+                         f"| {floor} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def draft_slopes(results: list[dict]) -> list[dict]:
     """A synchronized round's draft step alone: the slope between two rounds of one mode at
     different gamma (modes "MODE/gA" and "MODE/gB" of one run, e.g. aspire_fixed/g3 and

@@ -148,6 +148,22 @@ def test_summarize():
                                                   "repeats": 1})  # fmt: skip
 
 
+def test_graph_kinds_against_the_step_floors():
+    # the graph clock's draft steps (as they ran in their rounds) against the floor of the
+    # mode's own "draft" step kind; `ar`'s chain graphs ("decode") against its "ar" kind; a
+    # kind with no step kind of that name (the warm-up's pieces) has no floor
+    draft, ar = {"floor_ms": 1.0}, {"floor_ms": 8.0}
+    results = [{"mode": "aspire_fixed/g8", "kinds": {"draft": draft},
+                "graph_kinds": {"draft": {"replays": 72, "median_ms": 2.5},
+                                "piece": {"replays": 3, "median_ms": 9.0}}},
+               {"mode": "ar", "kinds": {"ar": ar},
+                "graph_kinds": {"decode": {"replays": 40, "median_ms": 9.2}}}]  # fmt: skip
+    text = fr.graph_kinds_table(results)
+    assert "| aspire_fixed/g8 | draft | 72 | 2.500 | 1.000 | 2.50x |" in text
+    assert "| aspire_fixed/g8 | piece | 3 | 9.000 | - | - |" in text
+    assert "| ar | decode | 40 | 9.200 | 8.000 | 1.15x |" in text
+
+
 @pytest.mark.timeout(120)
 def test_script_runs_on_cpu(tmp_path):
     out = tmp_path / "floor.json"
