@@ -28,6 +28,10 @@ from aspire_ray.kernels.paged_attention import (
 )
 
 PS = 16
+# The kernels on these tests' CPU tensors (their plans sized by the CPU's 4 "SMs"): Triton's
+# interpreter only. A GPU host runs them on the device in tests/test_gpu_engine.py's engines.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="interpreter tests: their tensors are on the CPU")
 # default: the wave-fitted chunk; small-chunks: the same with chunks down to a page (fewer
 # slots, so the tests' rows span several waves); waves-rule: the older chunk, total pages over
 # waves x SMs; fixed-chunks: a fixed chunk; cut-chunks: a fixed chunk cut from token 0 (the
