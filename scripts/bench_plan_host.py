@@ -56,7 +56,7 @@ class HostOnlyGraphs(PiecewiseGraphs):
         self.inputs.setdefault(n, torch.zeros(3, n + n % 2, dtype=torch.int64))
         self.graphs[n] = []
 
-    def capture_idle(self, fn, idle):
+    def capture_idle(self, fn, idle, kind):
         gen = torch.Generator().manual_seed(self._bucket)
         out = torch.randint(self.tokens, (self._bucket,), generator=gen, dtype=torch.long)
         return _NoGraph(), out.to(self.device)
