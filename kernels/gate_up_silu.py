@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear import LinearConfig, dot_precision, invariant_config
+from .linear import LinearConfig, check_xw, dot_precision, dot_two, invariant_config
 
 
 def gate_up_silu_config(n: int, k: int) -> LinearConfig:
@@ -48,22 +48,12 @@ def _gate_up_silu_kernel(
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N  # N = I: gate's (and up's) columns
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_gate = w_ptr + rn[None, :] * stride_wn  # [1, BN]
     w_up = w_gate + N * stride_wn  # up's row j: w's row I + j
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w_g = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)
-        w_u = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)
-        acc_g = tl.dot(x, w_g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, w_u, acc_u, input_precision=PRECISION)
+    acc_g, acc_u = dot_two(x_rows, m_ok, w_gate, w_up, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           PRECISION)  # fmt: skip
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)  # gate and up as F.linear rounds them
     up = acc_u.to(dt).to(tl.float32)
@@ -76,12 +66,10 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = No
                  ) -> torch.Tensor:  # fmt: skip
     """x [M, K], w [2I, K] -> silu(x @ w[:I]^T) * (x @ w[I:]^T) as a new [M, I] tensor. cfg:
     block_n = output columns a program owns (of gate and of up); None: ``gate_up_silu_config``."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.shape[0] % 2:
-        raise ValueError(f"need x [M, K] and w [2I, K], got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("x and w need a contiguous last dim")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise ValueError(f"w must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    check_xw(x, w, "2I")
+    if w.shape[0] % 2:
+        raise ValueError(f"need x [M, K] and w [2I, K] (gate rows, then up), got "
+                         f"{tuple(w.shape[0:1])} rows")  # fmt: skip
     m, k = x.shape
     n = w.shape[0] // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -49,6 +49,39 @@ def dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def check_xw(x: torch.Tensor, w: torch.Tensor, w_rows: str = "N") -> None:
+    """A GEMM's operands: x [M, K], w [w_rows, K] (nn.Linear's layout), both with a contiguous
+    last dim, of one dtype on one device."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K] and w [{w_rows}, K], got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}")  # fmt: skip
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("x and w need a contiguous last dim")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+
+
+@triton.jit
+def dot_two(x_rows, m_ok, w_a, w_b, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Two [BLOCK_M, BLOCK_N] float32 products of one x tile, K in BLOCK_K chunks in
+    ``_linear_kernel``'s order: x_rows [BM, 1] row pointers, w_a / w_b [1, BN] weight-row
+    pointers (the epilogue's two operands: RoPE's halves of a head, SiLU's gate and up)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wa = tl.load(w_a + k[:, None], mask=w_mask, other=0.0)
+        wb = tl.load(w_b + k[:, None], mask=w_mask, other=0.0)
+        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
+        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
+    return acc_a, acc_b
+
+
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -80,12 +113,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                   cfg: LinearConfig = LinearConfig(), out: torch.Tensor | None = None,
                   ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in x's dtype (written into out if given)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"need x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("x and w need a contiguous last dim")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise ValueError(f"w must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    check_xw(x, w)
     m, k = x.shape
     n = w.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear import LinearConfig, dot_precision, invariant_config
+from .linear import LinearConfig, check_xw, dot_precision, dot_two, invariant_config
 
 
 def qkv_rope_config(n: int, k: int) -> LinearConfig:
@@ -64,22 +64,12 @@ def _qkv_rope_kernel(
     j_ok = j < HALF  # a last tile may overhang the half (D / 2 not a multiple of BLOCK_H)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (head * HEAD_DIM + j).to(tl.int64)  # weight rows of the first half; + HALF: second
-    rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w1 = w_ptr + rn[None, :] * stride_wn  # [1, BH]
     w2 = w1 + HALF * stride_wn
-    acc1 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & j_ok[None, :]
-        w_1 = tl.load(w1 + k[:, None], mask=w_mask, other=0.0)
-        w_2 = tl.load(w2 + k[:, None], mask=w_mask, other=0.0)
-        acc1 = tl.dot(x, w_1, acc1, input_precision=PRECISION)  # [BM, BH]
-        acc2 = tl.dot(x, w_2, acc2, input_precision=PRECISION)
+    acc1, acc2 = dot_two(x_rows, m_ok, w1, w2, j_ok, K, BLOCK_M, BLOCK_H, BLOCK_K,
+                         PRECISION)  # [BM, BH] each  # fmt: skip
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + rn, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + rn + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -120,12 +110,7 @@ def _qkv_rope_kernel(
 
 
 def _check_io(x, w, bias, positions, cos, sin, num_q_heads, num_kv_heads, head_dim):
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"need x [T, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("x and w need a contiguous last dim")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise ValueError(f"w must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    check_xw(x, w)
     if head_dim <= 0 or head_dim % 2 or num_q_heads <= 0 or num_kv_heads <= 0:
         raise ValueError(f"need positive heads and an even head_dim, got {num_q_heads}, "
                          f"{num_kv_heads}, {head_dim}")  # fmt: skip

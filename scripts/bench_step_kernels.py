@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 
 import numpy as np
 import torch
+from bench_linear import graph_time
 
 from aspire_ray.kernels import paged_attention
 from aspire_ray.kernels.argmax import argmax_rows
@@ -34,24 +34,7 @@ PAGE_SIZE = 16
 
 def graph_us(fn, inner: int, repeats: int) -> float:
     """Median microseconds a call of fn, replayed in a CUDA graph of ``inner`` calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(inner):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / inner)
-    return statistics.median(times)
+    return 1e6 * graph_time(lambda i: fn(), inner, repeats)
 
 
 def bench_argmax(tokens: int, vocab: int, padded: int, inner: int, repeats: int) -> dict:
