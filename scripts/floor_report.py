@@ -406,6 +406,9 @@ def draft_slopes(results: list[dict]) -> list[dict]:
     aspire_fixed/g7), whose difference is gB - gA draft steps and nothing else (the same
     verification, the same plan). Per mode: wall ms, floor ms (bytes / bandwidth), ratio,
     GPU-busy ms where profiled, and c = the draft step over the run's `ar` step if it has one.
+    The verification is what the shorter round holds besides its drafts: verify_ms = round(gA)
+    - gA * draft step (wall; a step of gA + 1 queries a row), its floor likewise, and
+    verify_vs_ar = verify_ms over the `ar` step (issue 14: a 6-query row <= 1.15x).
     """
     ar = next((r["kinds"]["ar"] for r in results if "ar" in r["kinds"]), None)
     by_base: dict[str, list[tuple[int, dict]]] = {}
@@ -428,20 +431,29 @@ def draft_slopes(results: list[dict]) -> list[dict]:
         if "gpu" in a and "gpu" in b:
             row["busy_ms"] = (b["gpu"]["busy_ms"] - a["gpu"]["busy_ms"]) / steps
             row["busy_ratio"] = row["busy_ms"] / floor
+        row["verify_queries"] = ga + 1
+        row["verify_ms"] = a["wall_ms"] - ga * wall
+        row["verify_floor_ms"] = a["floor_ms"] - ga * floor
+        row["verify_ratio"] = row["verify_ms"] / row["verify_floor_ms"]
         if ar is not None:
             row["c"] = wall / ar["wall_ms"]
+            row["verify_vs_ar"] = row["verify_ms"] / ar["wall_ms"]
         out.append(row)
     return out
 
 
 def slopes_table(slopes: list[dict]) -> str:
-    lines = ["| mode | gammas | draft step ms | floor ms | ratio | GPU busy ms (ratio) | c |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| mode | gammas | draft step ms | floor ms | ratio | GPU busy ms (ratio) | c "
+             "| verify step ms (queries a row) | floor ms | ratio | vs `ar` step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in slopes:
         busy = f"{s['busy_ms']:.2f} ({s['busy_ratio']:.2f}x)" if "busy_ms" in s else "-"
         c = f"{s['c']:.2f}" if "c" in s else "-"
+        vs_ar = f"{s['verify_vs_ar']:.2f}x" if "verify_vs_ar" in s else "-"
         lines.append(f"| {s['mode']} | {s['gammas'][0]}, {s['gammas'][1]} | {s['wall_ms']:.2f} "
-                     f"| {s['floor_ms']:.3f} | {s['ratio']:.2f}x | {busy} | {c} |")  # fmt: skip
+                     f"| {s['floor_ms']:.3f} | {s['ratio']:.2f}x | {busy} | {c} "
+                     f"| {s['verify_ms']:.2f} ({s['verify_queries']}) "
+                     f"| {s['verify_floor_ms']:.3f} | {s['verify_ratio']:.2f}x | {vs_ar} |")
     return "\n".join(lines)
 
 

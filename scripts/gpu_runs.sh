@@ -13,7 +13,7 @@
 #    calls; join-1.5b checks the sha256 and links the file where the alias finds it)
 # Runs (results under $OUT, the log's tail printed):
 #   bash scripts/gpu_runs.sh sweep MODES REPEATS [CONTEXTS] [BATCH] [MAX_TOKENS] [EXTRA...]
-#   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH]
+#   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH] [EXTRA...]
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
@@ -132,9 +132,10 @@ PY
   prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
     run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \
       --context "${1:-16000}" --batch "${2:-16}" --repeats "${3:-3}" --out "$OUT/prefill.json" ;;
-  floor)
-    run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$1" \
-      --context "${2:-32000}" --batch "${3:-64}" --out "$OUT/floor.json" ;;
+  floor)  # EXTRA: more bench_floor options (--steps 24 --warmup 6 --profile-steps 4)
+    modes="$1"; context="${2:-32000}"; batch="${3:-64}"; shift $(( $# < 3 ? $# : 3 ))
+    run_logged floor python3 scripts/bench_floor.py --model "$MODEL" --modes "$modes" \
+      --context "$context" --batch "$batch" --out "$OUT/floor.json" "$@" ;;
   gaps)
     run_logged gaps python3 scripts/bench_floor.py --model "$MODEL" --modes "${1:-aspire/q4}" \
       --context 30000 --batch 64 --steps 30 --warmup 6 --profile-steps "${2:-6}" --gap-hosts \

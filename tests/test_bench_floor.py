@@ -239,6 +239,11 @@ def test_draft_step_is_the_slope_between_two_gammas():
     assert a["gammas"] == [3, 7] and a["wall_ms"] == pytest.approx(2.0)
     assert a["floor_ms"] == pytest.approx(1.0) and a["ratio"] == pytest.approx(2.0)
     assert a["busy_ratio"] == pytest.approx(2.0) and a["c"] == pytest.approx(0.25)
+    # the verification of 4 queries a row: round(3) - 3 draft steps
+    assert a["verify_queries"] == 4 and a["verify_ms"] == pytest.approx(9.0)
+    assert a["verify_floor_ms"] == pytest.approx(6.0) and a["verify_ratio"] == pytest.approx(1.5)
+    assert a["verify_vs_ar"] == pytest.approx(9.0 / 8.0)
     assert slopes["magicdec/serial"]["wall_ms"] == pytest.approx(2.0)
-    assert "| aspire_fixed | 3, 7 | 2.00 | 1.000 | 2.00x | 2.00 (2.00x) | 0.25 |" in (
-        fr.slopes_table(fr.draft_slopes(results)))
+    assert slopes["magicdec/serial"]["verify_ms"] == pytest.approx(10.0)
+    assert "| aspire_fixed | 3, 7 | 2.00 | 1.000 | 2.00x | 2.00 (2.00x) | 0.25 | 9.00 (4) " \
+        "| 6.000 | 1.50x | 1.12x |" in fr.slopes_table(fr.draft_slopes(results))
