@@ -384,15 +384,35 @@ def table(results: list[dict], bw: dict) -> str:
 _CLOCK_KINDS = {"decode": "ar"}
 
 
+def _slope_floors(results: list[dict]) -> dict[str, dict[str, float]]:
+    """mode -> {"draft": ms, "verify": ms}: the floors of a round mode's draft step and of its
+    verification, where the mode ran at two gammas (``draft_slopes``): the draft step's the
+    slope's, the verification's its round's floor less gamma draft floors."""
+    floors = {}
+    for s in draft_slopes(results):
+        for r in results:
+            m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
+            if m is None or "round" not in r["kinds"]:
+                continue
+            if m[1] + "".join(f"/{p}" for p in (m[2], m[4]) if p) == s["mode"]:
+                verify = r["kinds"]["round"]["floor_ms"] - int(m[3]) * s["floor_ms"]
+                floors[r["mode"]] = {"draft": s["floor_ms"], "verify": verify}
+    return floors
+
+
 def graph_kinds_table(results: list[dict]) -> str:
     """Per mode, each graph kind's GPU ms a replay on the graph clock (``by_kind``: the steps
     as they run in their plans, rounds and runs, unprofiled) against the floor of bench_floor's
-    step kind of that name, where the mode timed one (its bytes / bandwidth)."""
+    step kind of that name, where the mode timed one (its bytes / bandwidth), or for a round
+    mode's draft and verify graphs, where it ran at two gammas, ``_slope_floors``'."""
     lines = ["| mode | graph kind | replays | GPU ms a replay (median) | floor ms | ratio |",
              "|---|---|---|---|---|---|"]  # fmt: skip
+    slope_floors = _slope_floors(results)
     for r in results:
         for kind, g in r.get("graph_kinds", {}).items():
             step = r["kinds"].get(_CLOCK_KINDS.get(kind, kind))
+            if step is None and kind in slope_floors.get(r["mode"], {}):
+                step = {"floor_ms": slope_floors[r["mode"]][kind]}
             floor = f"{step['floor_ms']:.3f} | {g['median_ms'] / step['floor_ms']:.2f}x" \
                 if step else "- | -"  # fmt: skip
             lines.append(f"| {r['mode']} | {kind} | {g['replays']} | {g['median_ms']:.3f} "

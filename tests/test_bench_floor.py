@@ -164,6 +164,22 @@ def test_graph_kinds_against_the_step_floors():
     assert "| ar | decode | 40 | 9.200 | 8.000 | 1.15x |" in text
 
 
+def test_graph_kinds_of_rounds_take_the_slope_floors():
+    # rounds of 3 and 7 drafts: a draft step's floor is the slope's (1.0 ms), the verification's
+    # its round's floor less its drafts' (9 - 3 = 6 ms; 13 - 7 = 6 ms)
+    def rnd(floor, draft_ms, verify_ms):
+        return {"kinds": {"round": {"wall_ms": 2 * floor, "floor_ms": floor}},
+                "graph_kinds": {"draft": {"replays": 10, "median_ms": draft_ms},
+                                "verify": {"replays": 2, "median_ms": verify_ms}}}
+
+    results = [{"mode": "magicdec/g3", **rnd(9.0, 2.4, 6.6)},
+               {"mode": "magicdec/g7", **rnd(13.0, 2.5, 7.2)}]
+    text = fr.graph_kinds_table(results)
+    assert "| magicdec/g3 | draft | 10 | 2.400 | 1.000 | 2.40x |" in text
+    assert "| magicdec/g3 | verify | 2 | 6.600 | 6.000 | 1.10x |" in text
+    assert "| magicdec/g7 | verify | 2 | 7.200 | 6.000 | 1.20x |" in text
+
+
 @pytest.mark.timeout(120)
 def test_script_runs_on_cpu(tmp_path):
     out = tmp_path / "floor.json"
