@@ -101,7 +101,7 @@ def mode_options(mode: str) -> tuple[str, dict]:
     started early, ``async_overlap_steps``), dN (d_max = N), iN (``aspire``: gamma_init = N,
     the drafts before a request's first verification), fN (``aspire_fsm``: every draft length N,
     fsm_min = fsm_max = N), qN (``aspire``: verify_quantum = N, verifications on every N-th
-    decode step) or several joined by "+", e.g.
+    decode step), eNN (``aspire``: alpha_ema = 0.NN) or several joined by "+", e.g.
     "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
@@ -122,13 +122,15 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["gamma_init"] = int(part[1:])
         elif re.fullmatch(r"q\d+", part):  # aspire: verifications on every N-th step
             options["verify_quantum"] = int(part[1:])
+        elif re.fullmatch(r"e\d\d", part):  # aspire: alpha_ema = 0.NN
+            options["alpha_ema"] = int(part[1:]) / 100
         elif re.fullmatch(r"f\d+", part):  # aspire_fsm: gamma held at N (fsm_min = fsm_max)
             options["fsm_min"] = options["fsm_max"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
         else:
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"sN, oN, dN, iN, fN, qN, {', '.join(v for v in VARIANTS if v)})")
+                             f"sN, oN, dN, iN, eNN, fN, qN, {', '.join(v for v in VARIANTS if v)})")
     return spec_mode, options
 
 

@@ -185,6 +185,7 @@ def test_mode_variants(mods):
     assert opts("aspire_fixed/g8+twolaunch") == (
         "aspire_fixed", {"gamma": 8, "attention_options": {"mixed_one_launch": False}})
     assert opts("aspire/q4") == ("aspire", {"verify_quantum": 4})
+    assert opts("aspire/q4+e90") == ("aspire", {"verify_quantum": 4, "alpha_ema": 0.9})
     assert opts("ar/det") == ("ar", {"deterministic": True})
     assert opts("aspire_fsm/f8+g8") == ("aspire_fsm", {"fsm_min": 8, "fsm_max": 8, "gamma": 8})
     with pytest.raises(SystemExit, match="unknown mode variant 'x5'"):
