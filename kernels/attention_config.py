@@ -54,14 +54,19 @@ class AttentionConfig:
     # docs/benchmarks.md §8.27). False: draft rows keep their own tile and launch.
     mixed_one_launch: bool = True
     # Register caps of the attention programs (ptxas's maxnreg; None: the compiler's choice)
-    # for query tiles below 64 rows (decode and draft rows) and for wider ones (verify rows,
-    # prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row
+    # for 16-row query tiles (decode and draft rows), 32-row ones (below) and wider ones
+    # (verify rows, prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row
     # tile takes 143 of them (3 programs an SM) and fits in 96 without spills (5), a 64-row
     # tile 235 (2) and fits in 168 (3) (ptxas -v on the sm_90a build; docs/benchmarks.md §8.23).
     # Timed there, the wide cap makes a 6-query verify row's attention 11% faster and the 16-row
     # cap gains nothing (docs/benchmarks.md §8.24), so only the wide one is on by default.
     max_registers: int | None = None
     wide_max_registers: int | None = 168
+    # The cap of 32-row tiles (verify rows of 6-9 queries of 3-head groups: SmolLM2's; None:
+    # max_registers'): uncapped, a 6-query row's attention took 1.33x a 1-query row's, capped
+    # 1.09x (H100, SmolLM2's shape at 7,300 tokens; Qwen2.5's 32-row tiles unchanged;
+    # docs/benchmarks.md §8.36).
+    mid_max_registers: int | None = 168
     # Rows of at least sdpa_min_queries queries (prefill chunks: compute-bound, where the paged
     # kernel's decode-shaped tiles lose to a flash kernel) through torch's SDPA over their
     # gathered K/V (``kernels/sdpa_rows.py``): "auto" on CUDA, "on" (tests on the CPU), "off".
@@ -85,7 +90,7 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1, got {value}")
-        for name in ("max_registers", "wide_max_registers"):
+        for name in ("max_registers", "wide_max_registers", "mid_max_registers"):
             value = getattr(self, name)
             if value is not None and not 24 <= value <= 255:
                 raise ValueError(f"{name} must be in [24, 255] registers, got {value}")

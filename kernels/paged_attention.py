@@ -293,7 +293,12 @@ def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
 def register_cap(config: AttentionConfig, block_m: int) -> dict:
     """The launch option capping an attention program's registers for its query tile (none
     under the interpreter, which compiles nothing)."""
-    cap = config.wide_max_registers if block_m >= 64 else config.max_registers
+    if block_m >= 64:
+        cap = config.wide_max_registers
+    elif block_m >= 32 and config.mid_max_registers is not None:
+        cap = config.mid_max_registers
+    else:
+        cap = config.max_registers
     return {} if cap is None or interpreting() else {"maxnreg": cap}
 
 

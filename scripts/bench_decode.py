@@ -73,6 +73,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "noregs": {"attention_options": {"wide_max_registers": None}},
     # the older split-KV chunk (total pages / (waves x SMs)), not the wave-fitted one
     "oldsplit": {"attention_options": {"resident_programs": None}},
+    # 32-row query tiles with the compiler's registers (before session 28)
+    "nomid": {"attention_options": {"mid_max_registers": None}},
     # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
     # every row's logits independent of its step (EngineConfig.deterministic, issue 18)

@@ -44,6 +44,10 @@ VARIANTS = {  # name -> AttentionConfig overrides
     # but each tile reads the chunk again (on the H200 L2 does not serve the repeats: §8.20)
     "m16": {"block_m_max": 16},
     "m32": {"block_m_max": 32},
+    # every row in a tile of at least 32 / 64 query rows (a 6-query row of 3-head groups, 18
+    # rows, takes 32 by default)
+    "min32": {"block_m_min": 32},
+    "min64": {"block_m_min": 64},
     "m16_n64": {"block_m_max": 16, "block_n": 64},
     "m32_n64": {"block_m_max": 32, "block_n": 64},
     # the split-KV merge (13 us a layer of a real mixed step: docs/benchmarks.md §8.21)
@@ -59,7 +63,9 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "regs96": {"max_registers": 96},
     "wide168": {"wide_max_registers": 168},
     "regs96_wide168": {"max_registers": 96, "wide_max_registers": 168},
-    "nowide": {"wide_max_registers": None},  # the compiler's registers for verify tiles too
+    "nowide": {"wide_max_registers": None},
+    "mid128": {"mid_max_registers": 128},  # 32-row tiles capped (AttentionConfig)
+    "mid168": {"mid_max_registers": 168},  # the compiler's registers for verify tiles too
 }
 
 

@@ -337,6 +337,23 @@ def test_register_caps_are_checked():
         AttentionConfig(max_registers=300)
     with pytest.raises(ValueError, match="wide_max_registers"):
         AttentionConfig(wide_max_registers=8)
+    with pytest.raises(ValueError, match="mid_max_registers"):
+        AttentionConfig(mid_max_registers=256)
+
+
+def test_register_cap_by_query_tile(monkeypatch):
+    # 16-row tiles (decode, draft rows) take max_registers, 32-row tiles (a verify row of 6-9
+    # queries of 3-head groups) mid_max_registers, 64-row tiles wide_max_registers; a 32-row
+    # tile without a mid cap takes max_registers (before session 28: the compiler's choice)
+    import aspire_ray.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "interpreting", lambda: False)
+    cfg = AttentionConfig(max_registers=96, mid_max_registers=128, wide_max_registers=168)
+    assert [pa.register_cap(cfg, m) for m in (16, 32, 64)] == [
+        {"maxnreg": 96}, {"maxnreg": 128}, {"maxnreg": 168}]  # fmt: skip
+    assert pa.register_cap(AttentionConfig(mid_max_registers=None), 32) == {}
+    assert pa.register_cap(DEFAULT_CONFIG, 32) == {"maxnreg": 168}
+    assert pa.register_cap(DEFAULT_CONFIG, 16) == {}
 
 
 @pytest.mark.gpu
@@ -347,7 +364,7 @@ def test_register_caps_keep_every_bit(dtype):
     # them resident on an SM) give the uncapped result bit for bit, decode and verify tiles
     q, kv, meta = _mixed_case([1] * 40 + [6] * 12 + [9] * 4, dtype, seed=4)
     want, want_lse = paged_attention(q, kv, meta, 0.125, return_lse=True)
-    capped = AttentionConfig(max_registers=96, wide_max_registers=168)
+    capped = AttentionConfig(max_registers=96, mid_max_registers=128, wide_max_registers=168)
     out, lse = paged_attention(q, kv, meta, 0.125, return_lse=True, config=capped)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
