@@ -123,13 +123,35 @@ def with_medians(repeats: list[dict]) -> dict:
             "repeats": [{k: v for k, v in r.items() if k != "requests"} for r in repeats]}
 
 
+def offline_counters(llm: LLM) -> tuple[float, ...]:
+    """``engine_counters``' figures of an in-process engine (its ``stats()``, which the served
+    path's /metrics are made of)."""
+    stats = llm.stats()
+    timings = stats.get("timings", {})
+    return (float(stats.get("steps", 0)), sum(stats.get("step_seconds", {}).values()),
+            sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")))
+
+
+def engine_figures(start: tuple, end: tuple, wall: float) -> dict:
+    """The engine over one timed run, from its counters at both ends: steps, their worker and
+    whole (scheduling, worker, commit) seconds, and the fraction of the run's wall time it
+    spent in steps. Served against offline, a lower fraction is an engine waiting for work
+    (prompts reaching it late), a longer step a step made slower (issue 16)."""
+    steps, worker, whole = (b - a for a, b in zip(start, end, strict=True))
+    return {"steps": steps, "worker_s": worker, "step_wall_s": whole,
+            "step_ms": 1e3 * whole / steps if steps > 0 else math.nan,
+            "busy_frac": whole / wall if wall > 0 else math.nan}
+
+
 def timed_generate(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[dict, list]:
     """One timed ``LLM.generate`` over every prompt: (its figures, the prompts' token counts)."""
+    c0 = offline_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    return ({"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall},
+    return ({"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+             "engine": engine_figures(c0, offline_counters(llm), wall)},
             [len(o.prompt_token_ids) for o in outs])
 
 
@@ -241,6 +263,7 @@ async def client_run(client, url: str, prompts: list[str], args: argparse.Namesp
                     marks.append((time.perf_counter(), await engine_counters(client, url)))
 
     steady = args.concurrency >= len(prompts)
+    c0 = await engine_counters(client, url)
     t0 = time.perf_counter()
     clients = asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
     if steady:  # a failing client must not leave this waiting for the rest to start
@@ -253,7 +276,9 @@ async def client_run(client, url: str, prompts: list[str], args: argparse.Namesp
     wall = time.perf_counter() - t0
     if len(marks) == 1:  # a request ended before the last one started: an empty window
         marks.append(marks[0])
-    return run_figures(results, wall, marks, args.concurrency)
+    figures = run_figures(results, wall, marks, args.concurrency)
+    figures["engine"] = engine_figures(c0, await engine_counters(client, url), wall)
+    return figures
 
 
 def run_figures(results: list[dict], wall: float, marks: list[tuple], concurrency: int) -> dict:
@@ -306,8 +331,11 @@ def table_row(label: str, r: dict) -> str:
     """A table row of one repeat's figures, or of a path's (median) result."""
     pct = {key: "/".join(f"{r[key][f'p{q}_ms']:.{digits}f}" for q in PERCENTILES)
            if key in r else "" for key, digits in (("ttft", 0), ("inter_chunk", 1))}  # fmt: skip
+    eng = r.get("engine")
+    busy = f"{eng['steps']:.0f} / {eng['step_ms']:.1f} / {100 * eng['busy_frac']:.0f}%" \
+        if eng else ""  # fmt: skip
     return (f"| {label} | {r['wall_s']:.2f} | {r['output_tokens']} | {r['tokens_per_s']:.1f} "
-            f"| {pct['ttft']} | {pct['inter_chunk']} |")
+            f"| {pct['ttft']} | {pct['inter_chunk']} | {busy} |")
 
 
 def path_rows(label: str, r: dict) -> list[str]:
@@ -320,8 +348,9 @@ def path_rows(label: str, r: dict) -> list[str]:
 
 def table(result: dict) -> str:
     off, srv = result["offline"], result["served"]
-    rows = ["| path | wall s | tokens | tokens/s | TTFT p50/p90/p99 ms | gap p50/p90/p99 ms |",
-            "|---|---|---|---|---|---|", *path_rows("offline", off),
+    rows = ["| path | wall s | tokens | tokens/s | TTFT p50/p90/p99 ms | gap p50/p90/p99 ms "
+            "| engine steps / ms a step / busy |",
+            "|---|---|---|---|---|---|---|", *path_rows("offline", off),
             *path_rows(f"served x{srv['concurrency']}", srv)]
     rows.append(f"\nserved / offline tokens/s (medians): {result['ratio']:.3f}")
     if "steady_decode" in srv:

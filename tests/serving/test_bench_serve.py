@@ -55,6 +55,12 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
         medians[path] = statistics.median(r["tokens_per_s"] for r in repeats)
         assert result[path]["tokens_per_s"] == pytest.approx(medians[path])
     assert result["ratio"] == pytest.approx(medians["served"] / medians["offline"])
+    # the engine over each timed run, both paths: its steps ran inside the run's wall time
+    for path in ("offline", "served"):
+        for rep in result[path]["repeats"]:
+            eng = rep["engine"]
+            assert eng["steps"] > 0 and 0 < eng["worker_s"] <= eng["step_wall_s"]
+            assert 0 < eng["busy_frac"] <= 1.0 and eng["step_ms"] > 0
     for row in ("offline #1", "offline #2", "offline median", "served x4 #1", "served x4 median"):
         assert f"| {row} |" in proc.stdout
 
