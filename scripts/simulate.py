@@ -15,8 +15,12 @@ Step costs (``StepCosts``): the worker's time of a step is the engine's three-te
 b_model + b_tok * n_tokens + b_kv * kv_tokens over the engine's own features
 (``DraftPolicy.step_features``); a draft step inside a draft chain costs ``chain_b_model``
 instead of b_model (the host round trip a chain saves); a step of an asynchronous run that
-holds verify and draft rows adds ``b_mixed`` (``--mixed-step-ms``; 0 by default); the driver
-adds ``host_per_plan`` per plan (scheduling, commit, the benchmark loop). ``--costs`` takes
+holds verify and draft rows adds ``b_mixed`` (``--mixed-step-ms``; 0 by default); the first
+steps of the next run that the worker starts early (``async_overlap_steps``, with the draft
+lengths the run promised) cost their time again where the next plan does not continue them
+(a draft length or run length that changed, a request that left: ``Started.continues``;
+``early_steps_dropped`` counts them); the driver adds ``host_per_plan`` per plan (scheduling,
+commit, the benchmark loop). ``--costs`` takes
 the coefficients as JSON, an engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON
 (per mode: its ``breakdown``'s fit, or, where it kept its prior, its measured steps:
 ``costs_from_steps``), a trace file (its recorded modes' measurements) or a bench_floor JSON
@@ -115,6 +119,11 @@ class TraceExecutor(Executor):
                                           for p, t in zip(prompt_lens, tokens, strict=True))
         self.worker_s = 0.0  # simulated worker time
         self.host_s = 0.0  # simulated driver time
+        # the next asynchronous run's first steps, started early as the worker's graphs do
+        # (``async_runs._start_next``): (each row's promised draft length, the run's steps,
+        # the steps started, their seconds a step); None: nothing started
+        self.started: tuple[dict[str, int], int, int, float] | None = None
+        self.early_steps_dropped = 0
 
     def describe(self) -> ShardInfo:
         return ShardInfo(num_pages=self.num_pages, num_layers=self.meta["num_layers"],
@@ -153,7 +162,30 @@ class TraceExecutor(Executor):
             track.take(step, target + [-2] * (d + 1 - len(target)))
         return track.result()
 
+    def _dropped(self, plan: StepPlan) -> float:
+        """Seconds of the early-started steps this plan does not continue (the worker replays
+        them, then drops them: ``Started.continues``), taking them off the worker's hands."""
+        started, self.started = self.started, None
+        if started is None:
+            return 0.0
+        gammas, steps, head, step_s = started
+        if plan.rows and all(getattr(r, "async_gamma", None) is not None
+                             and gammas.get(r.req_id) == r.async_gamma and r.num_steps == steps
+                             for r in plan.rows):  # fmt: skip
+            return 0.0
+        self.early_steps_dropped += head
+        return head * step_s
+
+    def _start_next(self, rows: list[RowPlan], step_s: float) -> None:
+        """The worker starts the next run's first steps with the rows' promised draft lengths
+        (``RowPlan.next_async_gamma``) where every row has one."""
+        head = min(self.cfg.spec.overlap_steps, rows[0].num_steps)
+        if head and all(r.next_async_gamma is not None for r in rows):
+            self.started = ({r.req_id: r.next_async_gamma for r in rows}, rows[0].num_steps,
+                            head, step_s)  # fmt: skip
+
     def execute(self, plan: StepPlan) -> StepOutput:
+        dropped = self._dropped(plan)
         results, verify_after = [], []
         for row in plan.rows:
             i = int(row.req_id.rsplit("-", 1)[1])
@@ -185,17 +217,19 @@ class TraceExecutor(Executor):
         if plan.rows and getattr(plan.rows[0], "async_gamma", None) is not None:
             # an asynchronous run: its mean step (at the run's first context), steps times,
             # and the mixed-step term for each step that holds verify and draft rows
-            seconds = plan.rows[0].num_steps * self.costs.worker_seconds(
-                *self.policy.run_features(plan.rows), chained=True)  # fmt: skip
+            step_s = self.costs.worker_seconds(*self.policy.run_features(plan.rows),
+                                               chained=True)  # fmt: skip
+            seconds = plan.rows[0].num_steps * step_s + dropped
             if self.costs.b_mixed:
                 seconds += self.costs.b_mixed * mixed_steps(plan.rows)
+            self._start_next(plan.rows, step_s)
             self.worker_s += seconds
             self.host_s += self.costs.host_per_plan
             return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
         # each round: its chain's steps (priced at the plan's first context), its verification
         steps = max(r.num_steps for r in plan.rows)
         rounds = max(r.num_rounds for r in plan.rows)
-        seconds = rounds * steps * self.costs.worker_seconds(
+        seconds = dropped + rounds * steps * self.costs.worker_seconds(
             *self.policy.step_features(plan.rows), chained=steps > 1)  # fmt: skip
         for r in range(rounds if verify_after else 0):
             vrows = [v for at, v in verify_after if at == r]
@@ -235,7 +269,7 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     engine.cost_model.set_prior(CostCoefficients(costs.b_model, costs.b_tok, costs.b_kv))
     ids, finished = _prefill(engine, prompt_lens, [len(t) for t in tokens])
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
-    clock0 = (ex.worker_s, ex.host_s)
+    clock0 = (ex.worker_s, ex.host_s, ex.early_steps_dropped)
     committed0 = _committed(engine, finished)
     first = len(finished)
     end = None
@@ -244,19 +278,22 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
             if out.finished:
                 finished[out.request_id] = out
         if end is None and window == "steady" and len(finished) > first:
-            end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats())
+            end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats(),
+                   ex.early_steps_dropped)  # fmt: skip
     if end is None:
-        end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats())
-    worker, host, committed, after = end
+        end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats(),
+               ex.early_steps_dropped)  # fmt: skip
+    worker, host, committed, after, dropped = end
     breakdown = _diff(after, before)
     # simulated time only (the driver's own timings of this run are the simulator's)
     breakdown["timings"] = {"total": worker - clock0[0], "host": host - clock0[1]}
-    run = {"outs": [finished[r] for r in ids], "seconds": worker + host - sum(clock0),
+    run = {"outs": [finished[r] for r in ids], "seconds": worker + host - clock0[0] - clock0[1],
            "tokens": committed - committed0, "breakdown": breakdown}
     s = summarize(mode, run, None)
     s.pop("token_ids")
     s.update(gamma=cfg.spec.gamma if spec_mode in FIXED else None, trace=info,
-             batch=len(tokens), probes=engine.stats()["probes"])
+             batch=len(tokens), probes=engine.stats()["probes"],
+             early_steps_dropped=dropped - clock0[2])
     return s
 
 

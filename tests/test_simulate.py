@@ -295,3 +295,30 @@ def test_mixed_steps_are_priced_apart(mods):
     assert (fitted.b_model, fitted.chain_b_model, fitted.b_mixed) == pytest.approx(
         (7e-4, 5e-4, 3e-4))
     assert sim.with_mixed_step(base, 3e-4, fitted_on_mixed=False).b_model == base.b_model
+
+
+def test_early_steps_dropped_cost_their_time(mods):
+    """The worker starts the next asynchronous run's first steps with the draft lengths the run
+    promised (``async_overlap_steps``); a next plan that keeps the promise continues them, one
+    that breaks it (another draft length) drops them, and they cost their time again."""
+    sim = mods["simulate"]
+    from aspire_ray.llm import build_engine_config
+    from aspire_ray.plan import RowKind, RowPlan, StepPlan
+
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire", calibrate="off",
+                              async_steps=8, async_overlap_steps=4)  # fmt: skip
+    meta = {"num_layers": 4, "page_size": 16}
+    ex = sim.TraceExecutor(cfg, meta, [100], [[7] * 64], ["1" * 64], _costs(mods))
+
+    def plan(step, gamma, promise):
+        row = RowPlan("r-0", RowKind.DRAFT, [7], 99, 0, [], num_steps=8, verify_after=[7],
+                      async_gamma=gamma, next_async_gamma=promise)  # fmt: skip
+        return StepPlan(step, [row], {}, [])
+
+    ex.execute(plan(1, 3, 3))
+    one_run = ex.worker_s
+    ex.execute(plan(2, 3, 5))  # keeps the promise of 3: continued
+    assert ex.early_steps_dropped == 0 and ex.worker_s == pytest.approx(2 * one_run)
+    ex.execute(plan(3, 3, 5))  # breaks the promise of 5: the 4 started steps dropped
+    assert ex.early_steps_dropped == 4
+    assert ex.worker_s == pytest.approx(3 * one_run + 4 * one_run / 8)
