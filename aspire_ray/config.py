@@ -355,6 +355,11 @@ class EngineConfig:
     # gate/up projection with SiLU-and-multiply, in one launch each (model/decoder.py
     # QKV_ROPE_MAX_TOKENS, GATE_UP_SILU_MAX_TOKENS); False: cuBLAS and the separate kernels.
     fused_epilogues: bool = True
+    # On a GPU, decode-sized bf16 / fp16 steps at tp = 1 run each MLP (gate/up, SiLU, down) as
+    # one launch, the down projection's sum over the intermediate finished by the next
+    # RMSNorm (kernels/mlp_partials.py): a launch or two fewer a layer. Off until timed on a
+    # GPU (bench_decode.py variant `fusedmlp`); never with `deterministic`.
+    fused_mlp: bool = False
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
     # memory after them (no CUDA call in the wait). Timed in docs/benchmarks.md §8.34 (H100,

@@ -73,3 +73,53 @@ def rms_norm(
         num_warps=min(8, max(1, block // 256)),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _rms_norm_parts_kernel(
+    p_ptr, res_ptr, w_ptr, out_ptr, S, stride_ps, stride_pm, stride_rm, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, S):  # slice order: one fixed sum
+        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
+    r_ptrs = res_ptr + m * stride_rm + cols
+    r = tl.load(r_ptrs, mask=mask, other=0.0)
+    dt = r.dtype
+    x = acc.to(dt)  # the MLP's output as its down projection would round it
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(r_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    normed = (xf * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * N + cols, (w * normed).to(dt), mask=mask)
+
+
+def rms_norm_parts(parts: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """parts float32 [S, M, N] (``mlp_partials``) -> RMSNorm(sum(parts) + residual) [M, N] in
+    residual's dtype; residual += sum(parts) in place (the sum rounded to residual's dtype
+    first, as the MLP's output would be)."""
+    if parts.dim() != 3 or parts.dtype != torch.float32 or parts.stride(-1) != 1:
+        raise ValueError(f"parts must be float32 [S, M, N] with a contiguous last dim, got "
+                         f"{tuple(parts.shape)} {parts.dtype}")  # fmt: skip
+    s, m, n = parts.shape
+    if residual.shape != (m, n) or residual.stride(-1) != 1 or residual.device != parts.device:
+        raise ValueError(f"residual must be [{m}, {n}] with a contiguous last dim, got "
+                         f"{tuple(residual.shape)}")  # fmt: skip
+    if weight.shape != (n,) or weight.dtype != residual.dtype:
+        raise ValueError(f"weight must be [{n}] {residual.dtype}, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")  # fmt: skip
+    out = torch.empty(m, n, dtype=residual.dtype, device=residual.device)
+    if m == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    _rms_norm_parts_kernel[(m,)](
+        parts, residual, weight, out, s, parts.stride(0), parts.stride(1), residual.stride(0),
+        eps, N=n, BLOCK=block, num_warps=min(8, max(1, block // 256)),
+    )  # fmt: skip
+    return out

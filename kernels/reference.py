@@ -169,6 +169,30 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def mlp_partials_ref(x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor,
+                     block_i: int) -> torch.Tensor:  # fmt: skip
+    """``mlp_partials``' meaning: x [M, H], w_gu [2I, H], w_d [H, I] -> float32 [S, M, H], slice
+    s = a[:, s*block_i : (s+1)*block_i] @ w_d[:, same]^T in float32, where a = silu(gate) * up
+    with gate and up rounded to x's dtype, silu rounded, the product rounded (gate_up_silu)."""
+    dt = x.dtype
+    gate_up = (x.float() @ w_gu.float().t()).to(dt).float()
+    gate, up = gate_up.chunk(2, dim=-1)
+    a = (torch.nn.functional.silu(gate).to(dt).float() * up).to(dt).float()
+    slices = a.split(block_i, dim=1)
+    return torch.stack([part @ w.float().t() for part, w in
+                        zip(slices, w_d.split(block_i, dim=1), strict=True)])  # fmt: skip
+
+
+def rms_norm_parts_ref(parts: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``rms_norm_parts``' meaning: the partials summed in slice order (float32), rounded to
+    residual's dtype, then ``rms_norm_ref`` with the residual add (residual updated)."""
+    total = torch.zeros_like(parts[0])
+    for part in parts:
+        total += part
+    return rms_norm_ref(total.to(residual.dtype), weight, eps, residual)
+
+
 def choose_top_pages_ref(template: torch.Tensor, pages: torch.Tensor, scores: torch.Tensor,
                          rows: torch.Tensor, has_scores: torch.Tensor, first: int,
                          max_candidates: int) -> torch.Tensor:  # fmt: skip

@@ -89,6 +89,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "spinwait": {"device_wait": "spin"},
     # cuBLAS qkv / gate_up and RoPE / SiLU as kernels of their own, not fused (model/decoder.py)
     "nofused": {"fused_epilogues": False},
+    # each MLP in one launch, its down projection's sum in the next norm (EngineConfig.fused_mlp)
+    "fusedmlp": {"fused_mlp": True},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

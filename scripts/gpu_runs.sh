@@ -20,7 +20,8 @@
 #     every graph replay timed on the GPU, gaps by the phases either side, synchronizing calls;
 #     EXTRA "--dummy-shapes qwen2.5-coder-0.5b" runs it on random weights at the real shapes,
 #     with no model staged: one call after `bundle`, where device time is short)
-#   bash scripts/gpu_runs.sh kernels   (bench_fused_epilogues.py, bench_step_kernels.py: no model)
+#   bash scripts/gpu_runs.sh kernels   (bench_fused_epilogues.py, bench_step_kernels.py,
+#     bench_fused_mlp.py: no model)
 #   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
 #     through the paged kernel against SDPA, and the FLOP floor)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
@@ -128,7 +129,11 @@ PY
       --out "$OUT/fused_epilogues.json"
     base=(); [ -f .stage/old_plan_kernel.py ] && base=(--baseline-plan-kernel .stage/old_plan_kernel.py)
     run_logged step_kernels python3 scripts/bench_step_kernels.py "${base[@]}" \
-      --out "$OUT/step_kernels.json" ;;
+      --out "$OUT/step_kernels.json"
+    for shape in smollm2-135m qwen2.5-0.5b; do  # the one-launch MLP (EngineConfig.fused_mlp)
+      run_logged "mlp-$shape" python3 scripts/bench_fused_mlp.py --model-shape "$shape" \
+        --tokens 64,128 --out "$OUT/fused_mlp_$shape.json"
+    done ;;
   prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
     run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \
       --context "${1:-16000}" --batch "${2:-16}" --repeats "${3:-3}" --out "$OUT/prefill.json" ;;

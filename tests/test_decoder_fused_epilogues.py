@@ -65,3 +65,54 @@ def test_long_steps_keep_the_separate_ops(monkeypatch):
         assert decoder.fused_epilogue(torch.zeros(n, 8, dtype=half), n)
         assert not decoder.fused_epilogue(torch.zeros(n + 1, 8, dtype=half), n)
         assert not decoder.fused_epilogue(torch.zeros(n, 8), n)  # float32: tf32 on a GPU
+
+
+class _EchoPlan:
+    """Attention stand-in: each query attends to itself (out = q), enough to run the layers."""
+
+    def attend(self, layer, q, k, v, kv_cache, scale):
+        return q
+
+
+def test_fused_mlp_gives_the_separate_ops_hidden_states(monkeypatch):
+    # EngineConfig.fused_mlp: each MLP one launch, its partials summed by the next layer's
+    # input norm and by the final norm: a 3-layer forward's hidden states as with the MLP's
+    # separate kernels (interpreted, the GPU path forced on, float32)
+    import dataclasses
+
+    from aspire_ray.kernels import mlp_partials as mp
+
+    monkeypatch.setattr(decoder, "fused_ops", lambda x: True)
+    monkeypatch.setattr(decoder, "_HALF", (torch.float32,))
+    # the interpreter's pace: small tiles (the default's 64-wide tiles take minutes there)
+    monkeypatch.setattr(mp, "DEFAULT_MLP_CONFIG", mp.MLPConfig(16, 16, 16, 16))
+    torch.manual_seed(0)
+    model = decoder.DecoderModel(dataclasses.replace(ARCH, num_layers=3), single_rank())
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    ids, positions = torch.tensor([1, 7, 3, 9]), torch.tensor([0, 1, 2, 3])
+    caches = [torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim) for _ in range(3)]
+    calls = []
+    real = mp.mlp_partials
+    monkeypatch.setattr(mp, "mlp_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        decoder.set_fused_mlp(model, True)
+        fused = model(ids, positions, _EchoPlan(), caches)
+        assert len(calls) == 3  # every layer's MLP took the one launch
+        decoder.set_fused_mlp(model, False)
+        separate = model(ids, positions, _EchoPlan(), caches)
+        assert len(calls) == 3
+    torch.testing.assert_close(fused, separate, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_mlp_stays_off_on_several_ranks():
+    # a shard's down projection all-reduces its partial sum: the one-launch MLP is for tp = 1
+    from aspire_ray.tp.group import TPGroup
+
+    model = decoder.DecoderModel(ARCH, single_rank())
+    decoder.set_fused_mlp(model, True)
+    mlps = [m for m in model.modules() if isinstance(m, decoder.MLP)]
+    assert mlps and all(m.fused_mlp for m in mlps)
+    mlps[0].down_proj.tp = TPGroup(rank=0, size=2)
+    decoder.set_fused_mlp(model, True)
+    assert not mlps[0].fused_mlp

@@ -8,7 +8,7 @@ each layer's page lists. Shapes: T = tokens of the flattened ragged batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -34,17 +34,30 @@ class AttentionPlan(Protocol):
         """q [T, Hq, D], k/v [T, Hkv, D] (after RoPE) -> attention output [T, Hq, D]."""
 
 
+class MLPPartials(NamedTuple):
+    """An MLP's output left as float32 [S, T, hidden] per-slice partials of its down projection
+    (``kernels/mlp_partials.py``), summed by the next RMSNorm with the residual add."""
+
+    parts: torch.Tensor
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., N]. With residual [T, N]: residual += x in place, returns the norm of it.
+    def forward(self, x: torch.Tensor | MLPPartials,
+                residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x [..., N]. With residual [T, N]: residual += x in place, returns the norm of it
+        (x an ``MLPPartials``: their sum, in the same launch).
 
         Same op order as transformers' LlamaRMSNorm (fp32 statistics) for exact fp32 parity on
         the CPU; one fused kernel on a GPU."""
+        if isinstance(x, MLPPartials):
+            from aspire_ray.kernels.fused_norm import rms_norm_parts
+
+            return rms_norm_parts(x.parts, self.weight, self.eps, residual)
         if fused_ops(x):
             from aspire_ray.kernels.fused_norm import rms_norm
 
@@ -59,6 +72,8 @@ class RMSNorm(nn.Module):
 # tokens the fused gate/up is 1.4x cuBLAS + SiLU (the qkv still 0.92x).
 QKV_ROPE_MAX_TOKENS = 256
 GATE_UP_SILU_MAX_TOKENS = 128
+# Steps of at most this many tokens may run the whole MLP as one launch (``set_fused_mlp``).
+FUSED_MLP_MAX_TOKENS = 128
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -68,6 +83,16 @@ def set_fused_epilogues(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, (Attention, MLP)):
             m.fused_epilogues = on
+
+
+def set_fused_mlp(model: nn.Module, on: bool) -> None:
+    """Decode-sized bf16 / fp16 steps of ``model`` on a GPU run each MLP as one launch whose
+    down projection's sum the next RMSNorm finishes (``kernels/mlp_partials.py``; on:
+    ``EngineConfig.fused_mlp``); one rank only (the down projection's all-reduce needs the
+    sum), never in the deterministic mode (its rounding is not the unfused path's)."""
+    for m in model.modules():
+        if isinstance(m, MLP):
+            m.fused_mlp = on and m.down_proj.tp.size == 1
 
 
 def fused_epilogue(x: torch.Tensor, max_tokens: int) -> bool:
@@ -129,6 +154,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     fused_epilogues = True  # set_fused_epilogues
+    fused_mlp = False  # set_fused_mlp
 
     def __init__(self, arch: ModelArch, tp: TPGroup) -> None:
         super().__init__()
@@ -136,7 +162,14 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False, tp)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | MLPPartials:
+        """x [T, hidden] -> the MLP's output [T, hidden], or its partials (``set_fused_mlp``)
+        for the next RMSNorm."""
+        if self.fused_mlp and self.gate_up_proj.bias is None and self.down_proj.bias is None \
+                and fused_epilogue(x, FUSED_MLP_MAX_TOKENS):  # fmt: skip
+            from aspire_ray.kernels.mlp_partials import mlp_partials
+
+            return MLPPartials(mlp_partials(x, self.gate_up_proj.weight, self.down_proj.weight))
         if self.fused_epilogues and self.gate_up_proj.bias is None and fused_epilogue(
                 x, GATE_UP_SILU_MAX_TOKENS):
             from aspire_ray.kernels.gate_up_silu import gate_up_silu
@@ -169,8 +202,10 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(residual) if x is None else self.input_layernorm(x, residual)
         return self.self_attn.qkv(h, positions, rotary, q_out, kv)
 
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attn [T, Hq, D]: o_proj, residual add, norm, MLP -> the MLP output [T, hidden]."""
+    def post_attention(self, attn: torch.Tensor,
+                       residual: torch.Tensor) -> torch.Tensor | MLPPartials:  # fmt: skip
+        """attn [T, Hq, D]: o_proj, residual add, norm, MLP -> the MLP output [T, hidden]
+        (or its partials, which the next norm sums)."""
         h = self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
         return self.mlp(self.post_attention_layernorm(h, residual))
 

@@ -23,7 +23,7 @@ import torch
 from aspire_ray.attention import get_backend
 from aspire_ray.config import EngineConfig
 from aspire_ray.kernels.host import offsets, upload
-from aspire_ray.model.decoder import set_fused_epilogues
+from aspire_ray.model.decoder import set_fused_epilogues, set_fused_mlp
 from aspire_ray.plan import (
     RowKind,
     RowPlan,
@@ -84,6 +84,7 @@ class Worker:
         if cfg.deterministic:
             set_batch_invariant(self.model)
         set_fused_epilogues(self.model, cfg.fused_epilogues)
+        set_fused_mlp(self.model, cfg.fused_mlp and not cfg.deterministic)
         self.arch = self.model.arch
         self.page_size = cfg.cache.page_size
         self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options,
