@@ -78,14 +78,19 @@ def rms_norm(
 @triton.jit
 def _rms_norm_parts_kernel(
     p_ptr, res_ptr, w_ptr, out_ptr, S, stride_ps, stride_pm, stride_rm, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, S_CHUNK: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, S):  # slice order: one fixed sum
-        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
+    # S_CHUNK slices a load, so that their L2 reads are in flight together (one slice a
+    # dependent load would pay L2's latency S times); one fixed order for a given S
+    for s0 in range(0, S, S_CHUNK):
+        s = s0 + tl.arange(0, S_CHUNK)
+        tile = tl.load(p_ptr + s[:, None] * stride_ps + m * stride_pm + cols[None, :],
+                       mask=(s < S)[:, None] & mask[None, :], other=0.0)  # fmt: skip
+        acc += tl.sum(tile, axis=0)
     r_ptrs = res_ptr + m * stride_rm + cols
     r = tl.load(r_ptrs, mask=mask, other=0.0)
     dt = r.dtype
@@ -103,7 +108,8 @@ def rms_norm_parts(parts: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """parts float32 [S, M, N] (``mlp_partials``) -> RMSNorm(sum(parts) + residual) [M, N] in
     residual's dtype; residual += sum(parts) in place (the sum rounded to residual's dtype
-    first, as the MLP's output would be)."""
+    first, as the MLP's output would be). The sum's order is fixed for a given S (chunks of
+    slices, each summed as a tree), not ``rms_norm_parts_ref``'s one by one."""
     if parts.dim() != 3 or parts.dtype != torch.float32 or parts.stride(-1) != 1:
         raise ValueError(f"parts must be float32 [S, M, N] with a contiguous last dim, got "
                          f"{tuple(parts.shape)} {parts.dtype}")  # fmt: skip
@@ -118,8 +124,9 @@ def rms_norm_parts(parts: torch.Tensor, weight: torch.Tensor, eps: float,
     if m == 0:
         return out
     block = triton.next_power_of_2(n)
+    s_chunk = max(1, min(triton.next_power_of_2(s), 8192 // block))  # <= 8k floats a load
     _rms_norm_parts_kernel[(m,)](
         parts, residual, weight, out, s, parts.stride(0), parts.stride(1), residual.stride(0),
-        eps, N=n, BLOCK=block, num_warps=min(8, max(1, block // 256)),
+        eps, N=n, BLOCK=block, S_CHUNK=s_chunk, num_warps=min(8, max(1, block * s_chunk // 1024)),
     )  # fmt: skip
     return out

@@ -92,3 +92,16 @@ def test_bad_shapes_are_refused():
                        1e-6, torch.zeros(4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="block_i"):
         MLPConfig(block_i=24)
+
+
+def test_norm_of_many_parts_sums_them_in_chunks():
+    # 1,000 features: 8 slices a load, 20 slices in three loads (the last one partial)
+    gen = torch.Generator().manual_seed(4)
+    parts = torch.randn(20, 3, 1000, generator=gen).to(DEVICE)
+    residual = torch.randn(3, 1000, generator=gen).to(DEVICE)
+    weight = torch.randn(1000, generator=gen).to(DEVICE)
+    r_got, r_want = residual.clone(), residual.clone()
+    got = rms_norm_parts(parts, weight, 1e-5, r_got)
+    torch.testing.assert_close(got, rms_norm_parts_ref(parts, weight, 1e-5, r_want),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r_got, r_want, atol=1e-5, rtol=1e-5)
