@@ -55,9 +55,10 @@ class AttentionConfig:
     mixed_one_launch: bool = True
     # Register caps of the attention programs (ptxas's maxnreg; None: the compiler's choice)
     # for 16-row query tiles (decode and draft rows), 32-row ones (below) and wider ones
-    # (verify rows, prefill chunks). Registers bound the programs resident on an SM: on an H200 a 16-row
-    # tile takes 143 of them (3 programs an SM) and fits in 96 without spills (5), a 64-row
-    # tile 235 (2) and fits in 168 (3) (ptxas -v on the sm_90a build; docs/benchmarks.md §8.23).
+    # (verify rows, prefill chunks). Registers bound the programs resident on an SM: on an
+    # H200 a 16-row tile takes 143 of them (3 programs an SM) and fits in 96 without spills
+    # (5), a 64-row tile 235 (2) and fits in 168 (3) (ptxas -v on the sm_90a build;
+    # docs/benchmarks.md §8.23).
     # Timed there, the wide cap makes a 6-query verify row's attention 11% faster and the 16-row
     # cap gains nothing (docs/benchmarks.md §8.24), so only the wide one is on by default.
     max_registers: int | None = None

@@ -55,7 +55,7 @@ DEFAULT_MLP_CONFIG = MLPConfig()
 
 @triton.jit
 def _mlp_partials_kernel(
-    x_ptr, gu_ptr, d_ptr, p_ptr, M, I, H, stride_xm, stride_gu, stride_d, stride_ps, stride_pm,
+    x_ptr, gu_ptr, d_ptr, p_ptr, M, N_I, H, stride_xm, stride_gu, stride_d, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -63,10 +63,10 @@ def _mlp_partials_kernel(
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ri = (pid_i * BLOCK_I + tl.arange(0, BLOCK_I)).to(tl.int64)
-    m_ok, i_ok = rm < M, ri < I
+    m_ok, i_ok = rm < M, ri < N_I  # N_I: the intermediate size
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_gate = gu_ptr + ri[None, :] * stride_gu  # [1, BI]
-    w_up = w_gate + I * stride_gu  # up's row j: w_gu's row I + j
+    w_up = w_gate + N_I * stride_gu  # up's row j: w_gu's row I + j
     acc_g, acc_u = dot_two(x_rows, m_ok, w_gate, w_up, i_ok, H, BLOCK_M, BLOCK_I, BLOCK_K,
                            PRECISION)  # fmt: skip
     dt = x_ptr.dtype.element_ty
