@@ -41,6 +41,7 @@ from floor_report import (
     draft_slopes,
     gap_borders,
     graph_kinds_table,
+    graph_ratios,
     host_at_gaps,
     idle_gaps,
     idle_per_step,
@@ -48,6 +49,7 @@ from floor_report import (
     long_gaps,
     median,
     page_bytes,
+    ratios_table,
     slopes_table,
     step_kind,
     summarize,
@@ -469,6 +471,10 @@ def main() -> None:
     if slopes:  # modes at two gammas: their draft step alone
         print()
         print(slopes_table(slopes))
+    ratios = graph_ratios(results)
+    if ratios:  # the round modes' draft and verify graphs against `ar`'s, on the GPU's clock
+        print()
+        print(ratios_table(ratios))
     if device.type != "cuda":
         print("\nGPU idle: not measured on the CPU (the profiler part runs on CUDA only)")
     report = {
@@ -480,6 +486,7 @@ def main() -> None:
         "bandwidth": bw,
         "results": results,
         "draft_slopes": slopes,
+        "graph_ratios": ratios,
     }
     if args.out:
         with open(args.out, "w") as f:

@@ -426,6 +426,37 @@ def graph_kinds_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def graph_ratios(results: list[dict]) -> list[dict]:
+    """Each round mode's draft and verify graphs against the run's `ar` decode graph, in GPU
+    ms a replay (medians, the graph clock): c = draft / `ar`, and verify / `ar` with the
+    verification's queries a row (gamma + 1, from the mode's gN). Issue 14 asks c <= 0.3 and
+    a 6-query verification <= 1.15x an `ar` step. Empty without an `ar` run on the clock."""
+    ar = next((r["graph_kinds"]["decode"]["median_ms"] for r in results
+               if "decode" in r.get("graph_kinds", {})), None)  # fmt: skip
+    if ar is None:
+        return []
+    out = []
+    for r in results:
+        kinds = r.get("graph_kinds", {})
+        m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
+        if m is None or "draft" not in kinds or "verify" not in kinds:
+            continue
+        out.append({"mode": r["mode"], "ar_ms": ar, "draft_ms": kinds["draft"]["median_ms"],
+                    "verify_ms": kinds["verify"]["median_ms"], "queries": int(m[3]) + 1,
+                    "c": kinds["draft"]["median_ms"] / ar,
+                    "verify_vs_ar": kinds["verify"]["median_ms"] / ar})  # fmt: skip
+    return out
+
+
+def ratios_table(ratios: list[dict]) -> str:
+    lines = ["| mode | `ar` graph ms | draft graph ms | c | verify graph ms (queries a row) "
+             "| verify / `ar` |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for g in ratios:
+        lines.append(f"| {g['mode']} | {g['ar_ms']:.3f} | {g['draft_ms']:.3f} | {g['c']:.3f} "
+                     f"| {g['verify_ms']:.3f} ({g['queries']}) | {g['verify_vs_ar']:.3f}x |")
+    return "\n".join(lines)
+
+
 def draft_slopes(results: list[dict]) -> list[dict]:
     """A synchronized round's draft step alone: the slope between two rounds of one mode at
     different gamma (modes "MODE/gA" and "MODE/gB" of one run, e.g. aspire_fixed/g3 and
@@ -489,6 +520,12 @@ if __name__ == "__main__":  # the tables of stored bench_floor JSONs (their resu
     reports = [json.load(open(path)) for path in sys.argv[1:]]
     joined = [r for rep in reports for r in rep["results"]]
     print(table(joined, reports[0]["bandwidth"]))
+    if any(r.get("graph_kinds") for r in joined):
+        print()
+        print(graph_kinds_table(joined))
     if draft_slopes(joined):
         print()
         print(slopes_table(draft_slopes(joined)))
+    if graph_ratios(joined):
+        print()
+        print(ratios_table(graph_ratios(joined)))

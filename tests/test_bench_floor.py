@@ -266,3 +266,19 @@ def test_draft_step_is_the_slope_between_two_gammas():
     assert slopes["magicdec/serial"]["verify_ms"] == pytest.approx(10.0)
     assert "| aspire_fixed | 3, 7 | 2.00 | 1.000 | 2.00x | 2.00 (2.00x) | 0.25 | 9.00 (4) " \
         "| 6.000 | 1.50x | 1.12x |" in fr.slopes_table(fr.draft_slopes(results))
+
+
+def test_graph_ratios_against_the_ar_graph():
+    # c and verify / ar from the graph clock's medians; the verification's queries from gN;
+    # modes without both graph kinds (ar itself, aspire's async runs) are left out
+    results = [
+        {"mode": "ar", "graph_kinds": {"decode": {"median_ms": 8.0}}},
+        {"mode": "magicdec/g5", "graph_kinds": {"draft": {"median_ms": 2.0},
+                                                "verify": {"median_ms": 9.2}}},
+        {"mode": "aspire/q4", "graph_kinds": {"async": {"median_ms": 3.0}}},
+    ]  # fmt: skip
+    (g,) = fr.graph_ratios(results)
+    assert g["mode"] == "magicdec/g5" and g["queries"] == 6
+    assert g["c"] == pytest.approx(0.25) and g["verify_vs_ar"] == pytest.approx(1.15)
+    assert "| magicdec/g5 | 8.000 | 2.000 | 0.250 | 9.200 (6) | 1.150x |" in fr.ratios_table([g])
+    assert fr.graph_ratios(results[1:]) == []  # no `ar` on the clock
