@@ -39,6 +39,16 @@ def gate_up_silu_config(n: int, k: int) -> LinearConfig:
 
 
 @triton.jit
+def silu_mul(acc_g, acc_u, dt: tl.constexpr):
+    """silu(gate) * up of float32 products, rounded as the unfused path rounds: gate and up to
+    dt (as F.linear), silu in float32 from the rounded gate, rounded, the product once."""
+    g = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # kernels.activation's op order
+    return (silu * up).to(dt)
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -54,12 +64,8 @@ def _gate_up_silu_kernel(
     w_up = w_gate + N * stride_wn  # up's row j: w's row I + j
     acc_g, acc_u = dot_two(x_rows, m_ok, w_gate, w_up, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K,
                            PRECISION)  # fmt: skip
-    dt = y_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)  # gate and up as F.linear rounds them
-    up = acc_u.to(dt).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # kernels.activation's op order
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(y, (silu * up).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y, silu_mul(acc_g, acc_u, y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None,

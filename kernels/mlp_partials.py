@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gate_up_silu import silu_mul
 from .linear import check_xw, dot_precision, dot_two
 
 
@@ -69,11 +70,8 @@ def _mlp_partials_kernel(
     w_up = w_gate + N_I * stride_gu  # up's row j: w_gu's row I + j
     acc_g, acc_u = dot_two(x_rows, m_ok, w_gate, w_up, i_ok, H, BLOCK_M, BLOCK_I, BLOCK_K,
                            PRECISION)  # fmt: skip
-    dt = x_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)  # gate_up_silu's rounding
-    up = acc_u.to(dt).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    a = (silu * up).to(dt)  # [BM, BI]; columns past I are 0 (their weights loaded as 0)
+    # [BM, BI]; columns past I are 0 (their weights loaded as 0)
+    a = silu_mul(acc_g, acc_u, x_ptr.dtype.element_ty)
     part = p_ptr + pid_i * stride_ps + rm[:, None] * stride_pm  # [BM, 1]
     for n0 in range(0, H, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
