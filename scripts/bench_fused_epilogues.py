@@ -176,17 +176,24 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+def kernel_bench_args(description: str, shapes, shape: str,
+                      layers: int) -> argparse.ArgumentParser:  # fmt: skip
+    """The options of a per-layer kernel benchmark over weight copies in a CUDA graph (this
+    script's, ``bench_fused_mlp.py``'s)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-shape", default=shape, choices=sorted(shapes))
     p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
-    p.add_argument("--layers", type=int, default=24, help="weight copies a graph walks")
+    p.add_argument("--layers", type=int, default=layers, help="weight copies a graph walks")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
     p.add_argument("--device", default="cuda", help="cpu: Triton's interpreter, untimed")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__.split("\n")[0], SHAPES, "qwen2.5-0.5b", 24).parse_args()
     device = torch.device(args.device)
     timed = device.type == "cuda"
     dtype = getattr(torch, args.dtype)

@@ -20,13 +20,13 @@ once, untimed: the smoke test's path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 
 import torch
 import torch.nn.functional as F
+from bench_fused_epilogues import kernel_bench_args
 from bench_linear import graph_time
 
 from aspire_ray.kernels.fused_norm import rms_norm, rms_norm_parts
@@ -122,16 +122,8 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-shape", default="smollm2-135m", choices=sorted(SHAPES))
-    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
-    p.add_argument("--layers", type=int, default=30, help="weight copies a graph walks")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--no-sweep", dest="sweep", action="store_false")
-    p.add_argument("--device", default="cuda", help="cpu: Triton's interpreter, untimed")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = kernel_bench_args(__doc__.split("\n\n")[0], SHAPES, "smollm2-135m",
+                             30).parse_args()  # fmt: skip
     device = torch.device(args.device)
     timed = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
