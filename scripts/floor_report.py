@@ -384,19 +384,27 @@ def table(results: list[dict], bw: dict) -> str:
 _CLOCK_KINDS = {"decode": "ar"}
 
 
+def _gamma_mode(mode: str) -> tuple[str, int] | None:
+    """A fixed-gamma mode's (base, gamma): "aspire_fixed/g7" -> ("aspire_fixed", 7),
+    "magicdec/g5+serial" -> ("magicdec/serial", 5); None without a gN variant."""
+    m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", mode)
+    if m is None:
+        return None
+    return m[1] + "".join(f"/{p}" for p in (m[2], m[4]) if p), int(m[3])
+
+
 def _slope_floors(results: list[dict]) -> dict[str, dict[str, float]]:
     """mode -> {"draft": ms, "verify": ms}: the floors of a round mode's draft step and of its
     verification, where the mode ran at two gammas (``draft_slopes``): the draft step's the
     slope's, the verification's its round's floor less gamma draft floors."""
+    slopes = {s["mode"]: s["floor_ms"] for s in draft_slopes(results)}
     floors = {}
-    for s in draft_slopes(results):
-        for r in results:
-            m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
-            if m is None or "round" not in r["kinds"]:
-                continue
-            if m[1] + "".join(f"/{p}" for p in (m[2], m[4]) if p) == s["mode"]:
-                verify = r["kinds"]["round"]["floor_ms"] - int(m[3]) * s["floor_ms"]
-                floors[r["mode"]] = {"draft": s["floor_ms"], "verify": verify}
+    for r in results:
+        bg = _gamma_mode(r["mode"])
+        if bg is not None and bg[0] in slopes and "round" in r["kinds"]:
+            draft = slopes[bg[0]]
+            floors[r["mode"]] = {"draft": draft,
+                                 "verify": r["kinds"]["round"]["floor_ms"] - bg[1] * draft}
     return floors
 
 
@@ -438,11 +446,11 @@ def graph_ratios(results: list[dict]) -> list[dict]:
     out = []
     for r in results:
         kinds = r.get("graph_kinds", {})
-        m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
-        if m is None or "draft" not in kinds or "verify" not in kinds:
+        bg = _gamma_mode(r["mode"])
+        if bg is None or "draft" not in kinds or "verify" not in kinds:
             continue
         out.append({"mode": r["mode"], "ar_ms": ar, "draft_ms": kinds["draft"]["median_ms"],
-                    "verify_ms": kinds["verify"]["median_ms"], "queries": int(m[3]) + 1,
+                    "verify_ms": kinds["verify"]["median_ms"], "queries": bg[1] + 1,
                     "c": kinds["draft"]["median_ms"] / ar,
                     "verify_vs_ar": kinds["verify"]["median_ms"] / ar})  # fmt: skip
     return out
@@ -470,11 +478,10 @@ def draft_slopes(results: list[dict]) -> list[dict]:
     ar = next((r["kinds"]["ar"] for r in results if "ar" in r["kinds"]), None)
     by_base: dict[str, list[tuple[int, dict]]] = {}
     for r in results:
-        m = re.fullmatch(r"(.+)/(?:(.*)\+)?g(\d+)(?:\+(.*))?", r["mode"])
-        if m is None or "round" not in r["kinds"]:
+        bg = _gamma_mode(r["mode"])
+        if bg is None or "round" not in r["kinds"]:
             continue
-        base = m[1] + "".join(f"/{p}" for p in (m[2], m[4]) if p)
-        by_base.setdefault(base, []).append((int(m[3]), r["kinds"]["round"]))
+        by_base.setdefault(bg[0], []).append((bg[1], r["kinds"]["round"]))
     out = []
     for base, rounds in by_base.items():
         if len(rounds) < 2:
