@@ -61,17 +61,29 @@ def test_partials_sum_to_the_unfused_mlp_and_norm(dtype):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-def test_norm_of_parts_matches_its_reference_and_the_plain_norm():
-    # one slice: the fused add + norm of that slice's values (kernels.fused_norm.rms_norm)
-    gen = torch.Generator().manual_seed(3)
-    parts = torch.randn(3, 7, 24, generator=gen).to(DEVICE)
-    residual = torch.randn(7, 24, generator=gen).to(DEVICE)
-    weight = torch.randn(24, generator=gen).to(DEVICE)
+def _norm_case(s, m, n, seed):
+    """parts float32 [s, m, n], residual [m, n], weight [n]."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(s, m, n, generator=gen).to(DEVICE),
+            torch.randn(m, n, generator=gen).to(DEVICE), torch.randn(n, generator=gen).to(DEVICE))
+
+
+# (slices, rows, features, seed, the residual's tolerance): 3 slices in one load; 1,000
+# features, 8 slices a load: 20 slices in three loads (the last one partial)
+@pytest.mark.parametrize("s,m,n,seed,res_tol", [(3, 7, 24, 3, 1e-6), (20, 3, 1000, 4, 1e-5)],
+                         ids=["one-load", "three-loads"])
+def test_norm_of_parts_matches_its_reference(s, m, n, seed, res_tol):
+    parts, residual, weight = _norm_case(s, m, n, seed)
     r_got, r_want = residual.clone(), residual.clone()
     got = rms_norm_parts(parts, weight, 1e-5, r_got)
     want = rms_norm_parts_ref(parts, weight, 1e-5, r_want)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(r_got, r_want, atol=res_tol, rtol=res_tol)
+
+
+def test_norm_of_one_part_is_the_plain_norm():
+    # one slice: the fused add + norm of that slice's values (kernels.fused_norm.rms_norm)
+    parts, residual, weight = _norm_case(3, 7, 24, 3)
     r_one, r_plain = residual.clone(), residual.clone()
     torch.testing.assert_close(rms_norm_parts(parts[:1], weight, 1e-5, r_one),
                                rms_norm(parts[0].clone(), weight, 1e-5, r_plain))
@@ -92,16 +104,3 @@ def test_bad_shapes_are_refused():
                        1e-6, torch.zeros(4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="block_i"):
         MLPConfig(block_i=24)
-
-
-def test_norm_of_many_parts_sums_them_in_chunks():
-    # 1,000 features: 8 slices a load, 20 slices in three loads (the last one partial)
-    gen = torch.Generator().manual_seed(4)
-    parts = torch.randn(20, 3, 1000, generator=gen).to(DEVICE)
-    residual = torch.randn(3, 1000, generator=gen).to(DEVICE)
-    weight = torch.randn(1000, generator=gen).to(DEVICE)
-    r_got, r_want = residual.clone(), residual.clone()
-    got = rms_norm_parts(parts, weight, 1e-5, r_got)
-    torch.testing.assert_close(got, rms_norm_parts_ref(parts, weight, 1e-5, r_want),
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(r_got, r_want, atol=1e-5, rtol=1e-5)
