@@ -64,7 +64,7 @@ class AttentionConfig:
     max_registers: int | None = None
     wide_max_registers: int | None = 168
     # The cap of 32-row tiles (verify rows of 6-9 queries of 3-head groups: SmolLM2's; None:
-    # max_registers'): uncapped, a 6-query row's attention took 1.33x a 1-query row's, capped
+    # max_registers'): uncapped, a 6-query row's attention took 1.32x a 1-query row's, capped
     # 1.09x (H100, SmolLM2's shape at 7,300 tokens; Qwen2.5's 32-row tiles unchanged;
     # docs/benchmarks.md §8.36).
     mid_max_registers: int | None = 168
