@@ -351,6 +351,10 @@ class EngineConfig:
     # Freeze Python's heap once the engine is built (engine/heap.py): no garbage collection
     # then visits the ~200k objects of start-up (~100 ms between two plans when one did, a CPU).
     gc_freeze: bool = True
+    # While the worker executes a plan, Python's garbage collections that come due wait for
+    # its waits on the device, where the queued GPU work hides them (worker/gc_waits.py): a
+    # 10-20 ms generation-1 collection between two plans stalled the H200 (§8.36).
+    gc_at_waits: bool = True
     # On a GPU, decode-sized steps run the qkv projection with RoPE and the KV store, and the
     # gate/up projection with SiLU-and-multiply, in one launch each (model/decoder.py
     # QKV_ROPE_MAX_TOKENS, GATE_UP_SILU_MAX_TOKENS); False: cuBLAS and the separate kernels.

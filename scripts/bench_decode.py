@@ -84,6 +84,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # Python's heap not frozen once the engine is built: garbage collections walk it
     # (EngineConfig.gc_freeze, engine/heap.py)
     "nogcfreeze": {"gc_freeze": False},
+    # garbage collections wherever they come due, not in the waits for the device
+    # (EngineConfig.gc_at_waits, worker/gc_waits.py)
+    "nogcwait": {"gc_at_waits": False},
     # the host polls a pinned flag for a graph run's tokens, not a CUDA event sync
     # (EngineConfig.device_wait; docs/benchmarks.md §8.31, §8.34: no faster than the event)
     "spinwait": {"device_wait": "spin"},

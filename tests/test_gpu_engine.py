@@ -250,3 +250,38 @@ def test_deterministic_bf16_long_rows_and_prompts_in_pieces():
     assert _run("ar", "bfloat16", max_num_batched_tokens=1024, **kw) == expected
     for mode in SPEC_MODES[1:]:
         assert _run(mode, "bfloat16", **kw) == expected, mode
+
+
+def test_older_collections_fall_in_the_waits_on_gpu(monkeypatch):
+    # EngineConfig.gc_at_waits (worker/gc_waits.py): every collection of generation 1 or 2
+    # in an engine step runs inside gc_waits.collect, where queued GPU work hides it, none
+    # between two plans (where the 10-20 ms ones of §8.36 stalled the GPU)
+    import gc
+
+    from aspire_ray.worker import gc_waits
+
+    where = {"step": 0, "wait": 0}
+    outside, inside = [], []
+
+    def entered(key, fn):
+        def run(*args, **kw):
+            where[key] += 1
+            try:
+                return fn(*args, **kw)
+            finally:
+                where[key] -= 1
+
+        return run
+
+    def watch(phase, info):
+        if phase == "start" and info["generation"] >= 1 and where["step"]:
+            (inside if where["wait"] else outside).append(info["generation"])
+
+    monkeypatch.setattr(gc_waits, "collect", entered("wait", gc_waits.collect))
+    monkeypatch.setattr(LLMEngine, "step", entered("step", LLMEngine.step))
+    gc.callbacks.append(watch)
+    try:
+        _run("aspire", "float32", max_tokens=96, requests=12)
+    finally:
+        gc.callbacks.remove(watch)
+    assert inside and not outside, (inside, outside)

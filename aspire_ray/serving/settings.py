@@ -57,6 +57,9 @@ class EngineArgs(BaseModel):
     # Freeze the Python heap once the engine is built, out of the garbage collector's way
     # (EngineConfig.gc_freeze). None: the engine's default (on).
     gc_freeze: bool | None = None
+    # Garbage collections that come due while a plan runs wait for the host's waits on the
+    # device (EngineConfig.gc_at_waits). None: the engine's default (on).
+    gc_at_waits: bool | None = None
     # How the host waits for a graph run's tokens: "event" or "spin" (EngineConfig.device_wait).
     # None: the engine's default ("event").
     device_wait: Literal["event", "spin"] | None = None

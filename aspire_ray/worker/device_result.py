@@ -7,6 +7,8 @@ import time
 import numpy as np
 import torch
 
+from . import gc_waits
+
 _ONES: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1] = 1: the "spin" flag's source
 
 
@@ -37,7 +39,10 @@ class DeviceResult:
         self.event.record()
 
     def wait(self) -> tuple[np.ndarray, float]:
-        """-> (the values, int64 [N] on the host, the seconds the host waited)."""
+        """-> (the values, int64 [N] on the host, the seconds the host waited: after the
+        garbage collections that the device's queued work hides, ``gc_waits.collect``)."""
+        if self.flag is not None or self.event is not None:
+            gc_waits.collect()
         t0 = time.perf_counter()
         if self.flag is not None:
             flag = self.flag.numpy()  # the pinned memory itself, read afresh each time

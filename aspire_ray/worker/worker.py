@@ -38,7 +38,7 @@ from aspire_ray.plan import (
 from aspire_ray.tp import TPGroup, single_rank
 from aspire_ray.tp.layers import set_batch_invariant
 
-from . import rejection_sampler, sampler
+from . import gc_waits, rejection_sampler, sampler
 from .async_graphs import AsyncStepGraphs
 from .async_runs import run_async
 from .cuda_graphs import PiecewiseGraphs
@@ -264,6 +264,11 @@ class Worker:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        # the garbage collections due while it runs wait for its waits on the device
+        with gc_waits.deferred(self.cfg.gc_at_waits):
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         for rid in plan.dropped_req_ids:
             self._drop(rid)
@@ -515,6 +520,7 @@ class Worker:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
+            gc_waits.collect()  # while the device works (inside ``execute``'s deferral)
             torch.cuda.synchronize(self.device)
 
     # ---- sampling and verification -----------------------------------------------------------

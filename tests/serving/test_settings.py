@@ -127,6 +127,9 @@ def test_engine_switches_reach_the_engine_config():
     assert AppArgs.model_validate({}).engine.to_engine_config().gc_freeze is True  # on unless
     off = AppArgs.model_validate({"engine": {"gc_freeze": False}})  # switched off
     assert off.engine.to_engine_config().gc_freeze is False
+    assert AppArgs.model_validate({}).engine.to_engine_config().gc_at_waits is True
+    no_wait = AppArgs.model_validate({"engine": {"gc_at_waits": False}})
+    assert no_wait.engine.to_engine_config().gc_at_waits is False
     assert AppArgs.model_validate({}).engine.to_engine_config().device_wait == "event"
     spin = AppArgs.model_validate({"engine": {"device_wait": "spin"}})
     assert spin.engine.to_engine_config().device_wait == "spin"
