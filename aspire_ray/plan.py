@@ -73,6 +73,8 @@ class RowPlan:
     # keeps this row (the worker may start that run's first steps before this plan returns:
     # ``SpecConfig.async_overlap_steps``); None: no such promise
     next_async_gamma: int | None = None
+    # with next_async_gamma: the steps of that run (None: as many as this one's)
+    next_async_steps: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -226,11 +226,13 @@ def test_a_started_run_continues_only_as_started():
 def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
     # the next run's first steps start before the current run's tokens are known; requests
     # that finish in between drop out of the started run (staggered lengths), the others
-    # continue it on the device: the output is `ar`'s
+    # continue it on the device: the output is `ar`'s. With verify slots the first run is
+    # shorter (it ends on the slot cycle) and promises the next one's length: quantum 4 turns
+    # the 6-step runs into 4-step ones after a first of 4 or fewer
     model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
     expected = _greedy(_engine(model_dir, "ar"), max_tokens=30)
     engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
-                     async_overlap_steps=2)  # fmt: skip
+                     async_overlap_steps=2, verify_quantum=4)  # fmt: skip
     w = use_eager_graphs(engine)
     assert _greedy(engine, max_tokens=30) == expected
     graphs = w.async_graphs

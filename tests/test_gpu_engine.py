@@ -121,6 +121,11 @@ def test_runs_started_early_on_gpu(mode):
     assert overlapped == _run(mode, "float32", max_tokens=96, async_overlap_steps=0)
     assert overlapped == _run("ar", "float32", max_tokens=96)
     assert graphs.runs_continued >= 3, (graphs.runs_started, graphs.runs_continued)
+    if mode == "aspire":  # verify slots: runs end on the slot cycle, each promising the next
+        slotted = _run(mode, "float32", max_tokens=96, verify_quantum=4)
+        graphs = _run.last_worker.async_graphs
+        assert slotted == overlapped
+        assert graphs.runs_continued >= 3, (graphs.runs_started, graphs.runs_continued)
 
 
 @pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])

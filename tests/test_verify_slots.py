@@ -96,7 +96,9 @@ def test_verifications_fall_on_the_slots(async_steps):
 def test_verify_slots_keep_the_tokens(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
-    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True)
+    # long enough that `aspire`, whose cost model finds little to gain at these contexts, still
+    # drafts often (its first rounds, then a probe every probe_every plain verifications)
+    params = [SamplingParams(max_tokens=32 + 3 * i, temperature=0.0, ignore_eos=True)
               for i in range(4)]  # fmt: skip
 
     def run(mode, **spec):
@@ -124,3 +126,39 @@ def test_async_kinds_of_an_aligned_row_verify_on_slots():
     assert g == 2
     kinds = async_kinds(0, g, 9)
     assert [9 + i for i, k in enumerate(kinds) if k >= 0] == [11, 14, 17]
+
+
+def test_runs_end_on_the_slot_cycle_and_keep_its_draft_lengths():
+    # a batch that starts its runs off the cycle (decode step 12 of quantum 8, as after a
+    # warm-up): the first run ends where a cycle starts, every later run starts on one, and
+    # the rows draft 7 (= 8 - 1) run after run. Before, every run started at step 12 + 16k
+    # and the first slot within the 9-query tile was 3 drafts away: 3, run after run.
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire_fsm",
+                              calibrate="off", fsm_min=7, fsm_max=7, verify_quantum=8,
+                              async_steps=16, k_min=3, recent_pages=1)  # fmt: skip
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, info={"query_tile_tokens": 9}))
+    sched = engine.scheduler
+    sched.decode_steps = 12
+    runs = []  # (first decode step, steps, each row's draft length, next run's steps)
+    execute = engine.executor.execute
+
+    def recording(plan):
+        rows = [r for r in plan.rows if r.async_gamma is not None]
+        if rows:
+            steps = rows[0].num_steps
+            runs.append((sched.decode_steps - steps, steps, {r.async_gamma for r in rows},
+                         rows[0].next_async_steps))  # fmt: skip
+        return execute(plan)
+
+    engine.executor.execute = recording
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [(7 * i + j) % 256 for j in range(64)], params)
+    while engine.has_unfinished():
+        engine.step()
+    first, later = runs[0], runs[1:-2]  # the last runs: requests near their ends
+    assert (first[0] + first[1]) % 8 == 0  # the first run ends where a cycle starts
+    assert len(later) >= 4 and all(start % 8 == 0 and steps == 16 for start, steps, _, _ in later)
+    assert all(gammas == {7} for _, _, gammas, _ in later), runs
+    # each run promised the next one's length (the worker starts it early with that many)
+    assert all(run[3] == nxt[1] for run, nxt in zip(runs[:-3], runs[1:-2], strict=True))

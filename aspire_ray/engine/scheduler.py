@@ -144,6 +144,7 @@ class Scheduler:
         chain, verify_after = 1, False
         if gammas:  # an asynchronous run: every request, its own draft length
             chain = self._async_length(decoding)
+            next_chain = self._async_length(decoding, self.decode_steps + chain)
         elif alone:
             if not self.policy.cfg.speculative:
                 chain = self._decode_chain(decoding)
@@ -163,7 +164,7 @@ class Scheduler:
             if self.pause_decoding and not req.in_prefill:
                 continue
             if gammas:
-                row = self._async_row(req, gammas[req.req_id], chain,
+                row = self._async_row(req, gammas[req.req_id], (chain, next_chain),
                                       self._promised[req.req_id])  # fmt: skip
             else:
                 row = self._row_for(req, actions.get(req.req_id), budget, chain, verify_after,
@@ -244,19 +245,34 @@ class Scheduler:
         self._promised = {r.req_id: g for r, g in zip(reqs, gammas, strict=True)}
         return {r.req_id: g for r, g in zip(reqs, now, strict=True)}
 
-    def _async_length(self, reqs: list[Request]) -> int:
+    def _async_length(self, reqs: list[Request], start: int | None = None) -> int:
         """Steps of an asynchronous run: no more than any request still wants (a step moves a
-        request on by one position at most), within every request's room in the context."""
-        k = min(self.policy.cfg.async_steps, max(r.remaining_tokens for r in reqs))
+        request on by one position at most), within every request's room in the context.
+        With verify slots, a run ends where the next one starts on a slot cycle (at a decode
+        step that is a multiple of verify_quantum): rows in phase then draft k * quantum - 1
+        tokens run after run. A run that starts off the cycle (after a warm-up, a prompt's
+        steps) would otherwise start every run there, and a row's first slot within its query
+        tile be the short one (quantum 8 from step 12: 3 drafts, run after run, where 7 were
+        wanted). start: the run's first decode step (None: the next one); the run after this
+        one is promised the length it would get at its start with the requests as they are
+        (an upper bound: fewer steps near their ends drop the steps started early)."""
+        spec = self.policy.cfg
+        k = min(spec.async_steps, max(r.remaining_tokens for r in reqs))
         room = min(self.max_model_len - r.num_tokens - len(r.drafts) for r in reqs)
-        return max(1, min(k, room))
+        k = max(1, min(k, room))
+        start = self.decode_steps if start is None else start
+        past = (start + k) % spec.verify_quantum  # steps past a cycle's start
+        return k - past if k > past else k
 
-    def _async_row(self, req: Request, gamma: int, steps: int, next_gamma: int) -> RowPlan:
-        """The request's row of an asynchronous run (``RowPlan.async_gamma``)."""
+    def _async_row(self, req: Request, gamma: int, steps: tuple[int, int],
+                   next_gamma: int) -> RowPlan:  # fmt: skip
+        """The request's row of an asynchronous run (``RowPlan.async_gamma``); steps: this
+        run's and the next one's."""
         token = req.drafts[-1] if req.drafts else req.last_token
         return RowPlan(req.req_id, RowKind.DRAFT, [token], req.num_tokens - 1 + len(req.drafts),
-                       0, [], num_steps=steps, verify_after=[req.last_token] + req.drafts,
-                       async_gamma=gamma, next_async_gamma=next_gamma)  # fmt: skip
+                       0, [], num_steps=steps[0], verify_after=[req.last_token] + req.drafts,
+                       async_gamma=gamma, next_async_gamma=next_gamma,
+                       next_async_steps=steps[1])  # fmt: skip
 
     def lookahead_tokens(self, row: RowPlan) -> int:
         """KV tokens past the row's plan that the worker may write before the next plan

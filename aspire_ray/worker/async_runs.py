@@ -232,7 +232,7 @@ def _start_next(worker: Any, n: int, rows: list[RowPlan], tracks: list[AsyncTrac
                 by_id: dict[str, int]) -> Started | None:  # fmt: skip
     """Replay the first steps of the run that would follow this one (its rows again, their
     promised draft lengths), if every row has the pages and every step its graph."""
-    graphs, steps = worker.async_graphs, rows[0].num_steps
+    graphs, steps = worker.async_graphs, rows[0].next_async_steps or rows[0].num_steps
     head = min(worker.cfg.spec.overlap_steps, steps)  # a short run (requests near their end)
     if head == 0 or any(row.next_async_gamma is None for row in rows):
         return None
@@ -240,9 +240,9 @@ def _start_next(worker: Any, n: int, rows: list[RowPlan], tracks: list[AsyncTrac
     for row, track in zip(rows, tracks, strict=True):
         held = held_after(track.kinds, len(row.verify_after) - 1)
         kinds[row.req_id] = async_kinds(held, row.next_async_gamma, steps)
-        # the next run starts at start_pos + steps at most; its first steps write KV up to
-        # head positions past that
-        pages = -(-(row.start_pos + steps + head + 1) // worker.page_size)
+        # the next run starts at start_pos + this run's steps at most; its first steps write
+        # KV up to head positions past that
+        pages = -(-(row.start_pos + row.num_steps + head + 1) // worker.page_size)
         if pages > worker.page_table.sizes[worker.requests[row.req_id].slot]:
             return None
     row_ids = graphs.row_ids
