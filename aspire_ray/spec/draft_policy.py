@@ -27,6 +27,15 @@ from .cost_model import CostModel, KVReads
 if TYPE_CHECKING:  # spec never imports the engine at run time
     from aspire_ray.engine.request import Request
 
+# The engine's recent acceptance (``DraftPolicy.prior_alpha``): each verification leaves
+# PRIOR_DECAY of the earlier ones' weight (~200 verifications' memory: a few rounds of a batch of
+# 64, so a change of traffic shows soon); it is a new request's prior once PRIOR_MIN_TRIED
+# drafts were tried (a few verifications), capped at PRIOR_MAX (a prior of 1 would promise
+# every draft accepted).
+PRIOR_DECAY = 0.995
+PRIOR_MIN_TRIED = 16.0
+PRIOR_MAX = 0.98
+
 
 def aligned_gamma(gamma: int, held: int, step: int, quantum: int, cap: int) -> int:
     """The draft length nearest ``gamma`` (ties: the longer) that makes a row holding ``held``
@@ -61,12 +70,25 @@ class DraftPolicy:
         self.kv_reads = KVReads(num_layers, cfg.refresh_while_drafting, query_tile)
         # verifications with drafts after >= probe_every plain ones: the probes (aspire)
         self.num_probes = 0
+        # every request's drafts accepted and tried, decayed per verification: the engine's
+        # recent acceptance, a new request's prior (``prior_alpha``)
+        self.seen_accepted = self.seen_tried = 0.0
+
+    def prior_alpha(self) -> float:
+        """A new request's acceptance estimate before its first verification: what this
+        engine's recent verifications accepted (same model, page policy and kind of traffic)
+        once they tried ``PRIOR_MIN_TRIED`` drafts, else ``alpha_init``. With alpha_init
+        alone every request of a batch drafted its first rounds at the prior's length (3-4
+        drafts at 0.8) where the text accepted ~0.95 (docs/speculation.md)."""
+        if self.seen_tried < PRIOR_MIN_TRIED:
+            return self.cfg.alpha_init
+        return min(self.seen_accepted / self.seen_tried, PRIOR_MAX)
 
     def on_admit(self, req: Request) -> None:
-        req.alpha = self.cfg.alpha_init
-        # the pooled estimate starts from one round's worth of drafts at alpha_init
+        req.alpha = self.prior_alpha()
+        # the pooled estimate starts from one round's worth of drafts at the prior
         req.alpha_tried = float(max(1, self.cfg.gamma_init))
-        req.alpha_accepted = self.cfg.alpha_init * req.alpha_tried
+        req.alpha_accepted = req.alpha * req.alpha_tried
         req.fsm_gamma = self.cfg.gamma
 
     def sparse_tokens(self, context_len: int) -> int:
@@ -251,6 +273,8 @@ class DraftPolicy:
         self.num_probes += int(req.plain_verifies >= self.cfg.probe_every)
         req.plain_verifies = 0
         req.verified_once = True
+        self.seen_accepted, self.seen_tried = update_pooled(
+            self.seen_accepted, self.seen_tried, drafted, accepted, PRIOR_DECAY)
         if self.cfg.alpha_estimator == "pooled":
             req.alpha_accepted, req.alpha_tried = update_pooled(
                 req.alpha_accepted, req.alpha_tried, drafted, accepted, self.cfg.alpha_ema)
