@@ -101,6 +101,11 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 }
 
 
+# before each mode's timed runs, on the same engine: its kernels compiled, its graphs captured,
+# and the draft policy's first verifications seen (a new request's prior, DraftPolicy.prior_alpha)
+WARMUP_REQUESTS, WARMUP_TOKENS = 4, 8
+
+
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
     VARIANTS, gN (gamma = N), rN (N rounds per plan), aN (``ar``: N decode steps per plan),
@@ -485,8 +490,9 @@ def main() -> None:
                 params = [dataclasses.replace(params, max_tokens=w.max_tokens) for w in work]
             else:
                 prompts = long_context_prompts(tok, batch, int(ctx))
-            warm = SamplingParams(max_tokens=8, temperature=args.temperature, ignore_eos=True)
-            decode_run(llm, prompts[: min(4, len(prompts))], warm, f"warmup-{mode}")
+            warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature,
+                                  ignore_eos=True)  # fmt: skip
+            decode_run(llm, prompts[:WARMUP_REQUESTS], warm, f"warmup-{mode}")
             for rep in range(args.repeats):
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",

@@ -38,7 +38,15 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, replace
 
-from bench_decode import DUMMY_SHAPES, _diff, mode_options, prefill_batch, summarize
+from bench_decode import (
+    DUMMY_SHAPES,
+    WARMUP_REQUESTS,
+    WARMUP_TOKENS,
+    _diff,
+    mode_options,
+    prefill_batch,
+    summarize,
+)
 from traces import Traces, policy_of
 
 from aspire_ray import SamplingParams
@@ -179,10 +187,11 @@ class TraceExecutor(Executor):
     def _start_next(self, rows: list[RowPlan], step_s: float) -> None:
         """The worker starts the next run's first steps with the rows' promised draft lengths
         (``RowPlan.next_async_gamma``) where every row has one."""
-        head = min(self.cfg.spec.overlap_steps, rows[0].num_steps)
+        steps = rows[0].next_async_steps or rows[0].num_steps
+        head = min(self.cfg.spec.overlap_steps, steps)
         if head and all(r.next_async_gamma is not None for r in rows):
-            self.started = ({r.req_id: r.next_async_gamma for r in rows}, rows[0].num_steps,
-                            head, step_s)  # fmt: skip
+            self.started = ({r.req_id: r.next_async_gamma for r in rows}, steps, head,
+                            step_s)  # fmt: skip
 
     def execute(self, plan: StepPlan) -> StepOutput:
         dropped = self._dropped(plan)
@@ -243,15 +252,20 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
              window: str = "steady", num_pages: int | None = None,
              max_batched_tokens: int = 16384, batch: int | None = None,
              prompt_len: int | None = None, num_layers: int | None = None,
-             **spec) -> dict:  # fmt: skip
+             num_tokens: int | None = None, **spec) -> dict:  # fmt: skip
     """One mode (bench_decode's MODE or MODE/nochain) at one gamma -> bench_decode's summary
     with simulated tokens/s.
 
     Projections (the acceptance of the recorded text, the shape of another deployment):
     ``batch`` requests taken from the recorded ones in turn, every prompt ``prompt_len`` tokens
-    long, a model of ``num_layers`` layers (the cost source's; it weighs the refresh read)."""
+    long, a model of ``num_layers`` layers (the cost source's; it weighs the refresh read),
+    generations of ``num_tokens`` tokens (``repeated``: each request's recording again and
+    again, its acceptance and its runs of accepted drafts as recorded)."""
     spec_mode, options = mode_options(mode)
     tokens, bits, info = traces.replay(mode)
+    if num_tokens:
+        tokens = [repeated(t, num_tokens) for t in tokens]
+        bits = [repeated(b, num_tokens) for b in bits]
     prompt_lens = [prompt_len or r.prompt_len for r in traces.requests]
     if batch:
         pick = [i % len(tokens) for i in range(batch)]
@@ -267,6 +281,7 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     ex = TraceExecutor(cfg, meta, prompt_lens, tokens, bits, costs, num_pages)
     engine = LLMEngine(cfg, executor=ex)
     engine.cost_model.set_prior(CostCoefficients(costs.b_model, costs.b_tok, costs.b_kv))
+    _warm_up(engine, prompt_lens, tokens)
     ids, finished = _prefill(engine, prompt_lens, [len(t) for t in tokens])
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     clock0 = (ex.worker_s, ex.host_s, ex.early_steps_dropped)
@@ -297,11 +312,35 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     return s
 
 
+def repeated(seq, n: int):
+    """``seq`` (a request's output tokens or acceptance bits) continued to length n by its own
+    positions 1.. again and again (position 0 comes from the prompt: never drafted)."""
+    if len(seq) >= n or len(seq) < 2:
+        return seq[:n]
+    tail = seq[1:]
+    return (seq + tail * (-(-(n - len(seq)) // len(tail))))[:n]
+
+
+def _warm_up(engine: LLMEngine, prompt_lens: list[int], tokens: list[list[int]]) -> None:
+    """bench_decode's warm-up on the same engine: its first requests' first WARMUP_TOKENS
+    tokens (request ids "warm-i": the trace's request i), run to their end."""
+    n = min(WARMUP_REQUESTS, len(prompt_lens))
+    _prefill_named(engine, prompt_lens[:n], [min(WARMUP_TOKENS, len(t)) for t in tokens[:n]],
+                   "warm")  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+
+
 def _prefill(engine: LLMEngine, prompt_lens: list[int],
              max_tokens: list[int]) -> tuple[list[str], dict]:  # fmt: skip
     """bench_decode.prefill_batch with each request's own max_tokens (its recorded length)."""
+    return _prefill_named(engine, prompt_lens, max_tokens, "sim")
+
+
+def _prefill_named(engine: LLMEngine, prompt_lens: list[int], max_tokens: list[int],
+                   name: str) -> tuple[list[str], dict]:  # fmt: skip
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    return prefill_batch(engine, [[0] * n for n in prompt_lens], params, "sim")
+    return prefill_batch(engine, [[0] * n for n in prompt_lens], params, name)
 
 
 def _committed(engine, finished: dict) -> int:
@@ -331,6 +370,8 @@ def load_costs(path: str, mode: str, meta: dict) -> StepCosts:
         raise SystemExit(f"{path}: no measured run of mode {mode!r} "
                          f"(has {sorted({r.get('mode') for r in results})})")
     r = match[0]
+    if r["breakdown"].get("step_kinds", {}).get("async") and r["breakdown"].get("gpu_clock"):
+        return costs_from_clock(r, meta, f"{path}:{mode} (GPU clock)")
     status = r["breakdown"]["cost_model"].get("status", "fit")
     if status.startswith("prior"):  # nothing fitted: priced from its measured steps
         return costs_from_steps(r, results, meta, f"{path}:{mode}")
@@ -353,6 +394,28 @@ def costs_from_breakdown(b: dict, decode_seconds: float | None, source: str) -> 
         host = (t.get("schedule", 0.0) + t.get("commit", 0.0)
                 + t.get("execute", 0.0) - t.get("total", 0.0)) / plans
     return StepCosts(cm["b_model"], cm["b_tok"], cm["b_kv"], None, max(host, 0.0), source)
+
+
+def costs_from_clock(r: dict, meta: dict, source: str) -> StepCosts:
+    """An asynchronous run timed by the graph clock (``bench_decode --diagnose``): its slopes
+    b_tok and b_kv from the engine's cost model, and a per-step term that makes a step at the
+    window's mean (every row of the batch at the mean context, drafting or verifying in
+    proportion to its mean draft length) cost the mean GPU time of a replay; host time per
+    plan: the GPU's idle time in the window per plan (what the host cost the GPU, not the
+    host's own time, much of which the runs started early hide). The engine's online fit of
+    such runs is an offset on the prior's slopes with r² < 0 (§8.36), 8% under the replays."""
+    b, clock = r["breakdown"], r["breakdown"]["gpu_clock"]
+    coef, batch = b["cost_model"], int(r.get("batch", 1))
+    policy, ctx = _policy(r["mode"].partition("/")[0], meta), _window_context(r, meta)
+    g = max(1, round(r.get("gamma_mean") or 1))
+    # a round of each row: g draft steps, then a verification of g + 1 queries
+    draft = _rows_features(policy, RowKind.DRAFT, ctx, 0, batch)
+    verify = _rows_features(policy, RowKind.VERIFY, ctx, g, batch)
+    tokens, kv_tokens = ((g * d + v) / (g + 1) for d, v in zip(draft, verify, strict=True))
+    step = clock["busy_ms"] / 1e3 / max(clock["replays"], 1)
+    per_step = max(0.0, step - coef["b_tok"] * tokens - coef["b_kv"] * kv_tokens)
+    host = clock["gap_ms"] / 1e3 / max(b["steps"], 1)
+    return StepCosts(per_step, coef["b_tok"], coef["b_kv"], per_step, host, source)
 
 
 def _window_context(r: dict, meta: dict) -> int:
@@ -397,7 +460,8 @@ def costs_from_steps(r: dict, results: list[dict], meta: dict, source: str) -> S
     spec_mode = r["mode"].partition("/")[0]
     policy, ctx = _policy(spec_mode, meta), _window_context(r, meta)
     if kinds.get("round"):  # g chained draft steps and a verification of g drafts a round
-        g = int(r.get("gamma") or SpecConfig(mode=spec_mode).gamma)
+        g = int(r.get("gamma") or mode_options(r["mode"])[1].get("gamma")
+                or SpecConfig(mode=spec_mode).gamma)  # fmt: skip
         n_d, kv_d = _rows_features(policy, RowKind.DRAFT, ctx, 0, batch)
         n_v, kv_v = _rows_features(policy, RowKind.VERIFY, ctx, g, batch)
         slopes = g * (b_tok * n_d + b_kv * kv_d) + b_tok * n_v + b_kv * kv_v
@@ -491,7 +555,8 @@ def measured_runs(path: str) -> dict[tuple[str, int | None], dict]:
     out = {}
     for m, r in items:
         spec_mode = m.partition("/")[0]
-        g = r.get("gamma", default) if spec_mode in FIXED else None
+        g = r.get("gamma", mode_options(m)[1].get("gamma", default)) \
+            if spec_mode in FIXED else None  # fmt: skip
         out[(m, g)] = r
     return out
 
@@ -517,6 +582,8 @@ def main() -> None:
                    help="projection: every prompt this long (acceptance as recorded)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="projection: the cost source's model depth (default: the trace's)")
+    p.add_argument("--num-tokens", type=int, default=None,
+                   help="projection: generations this long, each request's recording repeated")
     p.add_argument("--mixed-step-ms", type=float, default=0.0,
                    help="an asynchronous step holding verify and draft rows costs this much "
                         "more than the linear terms (docs/benchmarks.md §8.28: ~0.29 on the "
@@ -561,10 +628,12 @@ def main() -> None:
         extra = {traces.modes.get(mode, {}).get("gamma") or SpecConfig().gamma}
         extra |= {g for m, g in measured if m == mode}
         sweep = sorted(set(gammas) | extra) if spec_mode in FIXED else [None]
+        if "gamma" in mode_options(mode)[1]:  # MODE/gN: that gamma alone
+            sweep = [mode_options(mode)[1]["gamma"]]
         for g in sweep:
             runs.append(simulate(traces, mode, costs_for(mode), g, args.window, args.num_pages,
                                  args.max_batched_tokens, args.batch, args.prompt_len,
-                                 args.num_layers))
+                                 args.num_layers, args.num_tokens))
             runs[-1]["costs"] = asdict(costs_for(mode))
     ar = next((r["tokens_per_s"] for r in runs if r["mode"] == "ar"), None)
     print(f"{'mode':>20} {'gamma':>5} {'tok/s':>10} {'x ar':>6} {'L':>5} {'accept':>6} "

@@ -228,6 +228,62 @@ def test_costs_from_measured_steps(mods):
         sim.costs_from_steps(run("magicdec", {"draft": 5}, {"draft": 0.01}), results, meta, "t")
 
 
+def test_a_mode_with_its_own_gamma_is_priced_and_swept_at_it(mods):
+    # "aspire_fixed/g8": its rounds are of 8 drafts (the per-forward term comes from them)
+    sim = mods["simulate"]
+    meta = {"num_layers": 24, "page_size": 16, "spec": {}, "mean_prompt_len": 32000}
+    prior = {"b_model": 2.5e-4, "b_tok": 1e-6, "b_kv": 4e-9, "r2": None}
+    cm = {**prior, "status": "prior: 2 distinct step shapes < 6", "prior": prior}
+    b = {"cost_model": cm, "step_kinds": {"round": 10}, "step_seconds": {"round": 0.25},
+         "steps": 3, "timings": {"total": 0.25}}  # fmt: skip
+    r = {"mode": "aspire_fixed/g8", "batch": 64, "context": "32000", "tokens": 64 * 90,
+         "decode_seconds": 0.26, "breakdown": b}  # fmt: skip
+    costs = sim.costs_from_steps(r, [r], meta, "t")
+    policy, ctx = sim._policy("aspire_fixed", meta), 32000 + 45
+    draft = costs.worker_seconds(*sim._rows_features(policy, sim.RowKind.DRAFT, ctx, 0, 64))
+    verify = costs.worker_seconds(*sim._rows_features(policy, sim.RowKind.VERIFY, ctx, 8, 64))
+    assert 8 * draft + verify == pytest.approx(0.25 / 10)
+
+
+def test_an_asynchronous_run_is_priced_by_the_gpu_clock(mods):
+    """A diagnosed `aspire` run (bench_decode --diagnose): a step at the window's mean costs
+    the mean replay's GPU time, and a plan's host time is the GPU's idle time a plan."""
+    sim = mods["simulate"]
+    meta = {"num_layers": 24, "page_size": 16, "spec": {}, "mean_prompt_len": 32000,
+            "query_tile_tokens": 9}  # fmt: skip
+    cm = {"b_model": 3e-4, "b_tok": 3e-6, "b_kv": 4.4e-9, "status": "offset: r2 -0.6 < 0.8"}
+    clock = {"replays": 150, "busy_ms": 480.0, "gap_ms": 18.0}
+    b = {"cost_model": cm, "step_kinds": {"async": 144}, "step_seconds": {"async": 0.47},
+         "steps": 9, "timings": {"total": 0.47}, "gpu_clock": clock}  # fmt: skip
+    r = {"mode": "aspire/q4", "batch": 64, "context": "32000", "tokens": 7600,
+         "decode_seconds": 0.51, "gamma_mean": 5.4, "breakdown": b}  # fmt: skip
+    costs = sim.costs_from_clock(r, meta, "t")
+    assert costs.host_per_plan == pytest.approx(0.018 / 9)
+    assert (costs.b_tok, costs.b_kv) == (cm["b_tok"], cm["b_kv"])
+    assert costs.chain_b_model == costs.b_model  # the sim prices async steps as chained
+    policy, ctx, g = sim._policy("aspire", meta), 32000 + 7600 // 128, 5
+    draft = sim._rows_features(policy, sim.RowKind.DRAFT, ctx, 0, 64)
+    verify = sim._rows_features(policy, sim.RowKind.VERIFY, ctx, g, 64)
+    mean = [(g * d + v) / (g + 1) for d, v in zip(draft, verify, strict=True)]
+    assert costs.worker_seconds(*mean) == pytest.approx(0.48 / 150)
+
+
+def test_generations_repeated_to_a_length(mods, recorded):
+    sim = mods["simulate"]
+    assert sim.repeated("1011", 9) == "101101101"  # position 0 (the prompt's) not again
+    assert sim.repeated([5, 6, 7], 6) == [5, 6, 7, 6, 7, 6]
+    assert sim.repeated("10", 1) == "1"
+    _, traces = recorded
+    short = sim.simulate(traces, "aspire_fixed", _costs(mods), GAMMA, window="drain")
+    longer = sim.simulate(traces, "aspire_fixed", _costs(mods), GAMMA, window="drain",
+                          num_tokens=60)  # fmt: skip
+    # (the window's tokens: the first of each request comes with its prompt)
+    assert longer["tokens"] == 59 * len(traces.requests) > short["tokens"]
+    # the recorded acceptance, again and again: about the same accepted length
+    assert longer["mean_accepted_length"] == pytest.approx(short["mean_accepted_length"],
+                                                           rel=0.25)  # fmt: skip
+
+
 @pytest.mark.timeout(120)
 def test_cli(recorded, tmp_path):
     path, _ = recorded
