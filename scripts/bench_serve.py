@@ -30,13 +30,12 @@ import json
 import math
 import re
 import shlex
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import yaml
+from local_serve import config_app_args, serve_app
 from workloads import long_context_prompts
 
 from aspire_ray import LLM, SamplingParams
@@ -76,8 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """The config's engine section with this run's overrides: both paths use exactly these."""
-    config = yaml.safe_load(Path(args.config).read_text())
-    engine = dict(config["applications"][0]["args"]["engine"])
+    engine = dict(config_app_args(args.config)["engine"])
     engine.update(model=args.model, device=args.device, dtype=args.dtype,
                   spec_mode=args.spec_mode, **json.loads(args.engine_options))
     EngineArgs.model_validate(engine)  # fail here, naming the field, not inside a replica
@@ -295,36 +293,17 @@ def run_figures(results: list[dict], wall: float, marks: list[tuple], concurrenc
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_served(engine: dict, prompts: list[str], args: argparse.Namespace) -> dict:
     """Start the config's application with ``engine`` in-process, stream, shut everything down."""
-    import ray
-    from ray import serve
-
-    from aspire_ray.serving.deployment import build_app
-
-    config = yaml.safe_load(Path(args.config).read_text())
-    app_args = config["applications"][0]["args"]
+    app_args = config_app_args(args.config)
     app_args["engine"] = engine
     app_args["server"]["served_model_name"] = SERVED_NAME
     deployment = app_args.setdefault("deployment", {})
     deployment["engine_driver"] = args.engine_driver
     if args.engine_driver == "replica" and engine.get("device", "cpu").startswith("cuda"):
         deployment["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}  # it holds the GPU
-    port = args.port or free_port()
-    ray.init(include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args), name="aspire", route_prefix="/")
-        return asyncio.run(run_clients(f"http://127.0.0.1:{port}", prompts, args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serve_app(app_args, args.port) as url:
+        return asyncio.run(run_clients(url, prompts, args))
 
 
 def table_row(label: str, r: dict) -> str:

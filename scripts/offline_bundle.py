@@ -40,6 +40,7 @@ SERVE_WHEELS = [
     "googleapis-common-protos", "proto-plus", "cryptography",
     "mmh3", "watchfiles", "websockets", "httptools", "python-dotenv", "py-spy", "gguf",
     "grpcio-reflection==1.84.0",  # must match the grpcio of the usual GPU image
+    "psutil",  # the engine's process RSS figures (aspire_ray/process_memory.py)
 ]
 RAY_DROP = ("jars", "rllib", "tune", "train", "data")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

@@ -195,6 +195,26 @@ def test_calibration_runs_on_tp2(tiny_model_dir, tp2_executor, tmp_path, monkeyp
     assert all(not r for r in leftover), "synthetic requests leaked"
 
 
+def test_the_engine_stats_carry_each_shard_rss(tiny_model_dir, tp2_executor):
+    """stats()["rss_bytes"]: one figure a shard actor ("shard0", "shard1"), each its own
+    process's RSS (read here by pid); this process, the engine's, is not among them."""
+    import os
+
+    import psutil
+
+    cfg = _cfg(tiny_model_dir("qwen3"), "aspire", tp=2)
+    executor = tp2_executor("qwen3", cfg)
+    engine = LLMEngine(cfg, executor=executor)
+    _run(engine)
+    rss = engine.stats()["rss_bytes"]
+    pids = executor.call_ranks("__ray_call__", lambda shard: os.getpid())
+    assert set(rss) == {"shard0", "shard1"}
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for rank, pid in enumerate(pids):
+        assert rss[f"shard{rank}"] == pytest.approx(psutil.Process(pid).memory_info().rss,
+                                                    rel=0.25)  # fmt: skip
+
+
 def test_heads_that_cannot_be_split_fail_clearly(tiny_model_dir):
     overrides = dict(model_type="llama", hidden_size=96, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,

@@ -17,6 +17,7 @@ from aspire_ray.executor.base import WorkerDiedError
 from aspire_ray.model import registry
 from aspire_ray.outputs import RequestOutput
 from aspire_ray.plan import RowKind, RowPlan, SamplingSpec, StepOutput
+from aspire_ray.process_memory import RSS_KEY
 from aspire_ray.sampling_params import InvalidRequestError, SamplingParams
 from aspire_ray.spec.cost_model import CollectiveCost, CostBounds, CostModel
 from aspire_ray.spec.draft_policy import DraftPolicy
@@ -241,6 +242,8 @@ class LLMEngine:
             "step_seconds": dict(self.step_seconds),
             "probes": self.policy.num_probes,
             "cost_model": self.cost_model.summary(),
+            # the shard processes' resident bytes by role, sampled at most once a second
+            RSS_KEY: self.executor.resident_memory(),
         }
 
     def shutdown(self) -> None:

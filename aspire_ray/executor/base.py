@@ -23,6 +23,13 @@ class Executor:
         In-process workers cannot die alone: []."""
         return []
 
+    def resident_memory(self) -> dict[str, int]:
+        """Resident bytes of the worker processes apart from the caller's, by role ("shard0",
+        ...; ``aspire_ray.process_memory``), as last sampled: the engine asks after every
+        step, so a sample is cheap and not always fresh. In-process workers are the caller's
+        own memory: {}."""
+        return {}
+
     def shutdown(self) -> None:
         """Release the workers; idempotent. Later steps raise WorkerDiedError."""
 

@@ -19,6 +19,9 @@ transports (scripts/bench_orchestration.py measures them):
 "auto": compiled on CUDA (host cores to spare, per-step latency counts), falling back to plain
 calls if the graph cannot be compiled; plain on CPU.
 
+Memory: each rank's RSS is asked at most once a second, after a step and never waited for by
+one (``shard_memory.py``); the engine's stats carry it (``resident_memory``).
+
 Failure: if any rank dies, raises, or does not answer within ``step_timeout_s``, every actor is
 killed (survivors may be blocked in a collective) and ``execute`` raises WorkerDiedError, now
 and on every later call.
@@ -37,10 +40,14 @@ from aspire_ray.config import EngineConfig
 from aspire_ray.plan import ShardInfo, StepOutput, StepPlan
 
 from .base import Executor, WorkerDiedError
+from .shard_memory import ShardMemory
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "compiled", "plain")
+# start-up waits this long for the shards' first RSS figures (idle actors answer in
+# milliseconds); without them the first figures come with a later step
+FIRST_MEMORY_SAMPLE_S = 10.0
 
 
 def check_shardable(cfg: EngineConfig) -> None:
@@ -242,6 +249,8 @@ class RayExecutor(Executor):
                 for r in range(cfg.tp_size)]
             self._info = self._start(start_timeout_s)
             self._shards.transport = self._make_transport(transport)
+            self._memory = ShardMemory(self.actors)
+            self._memory.sample(wait_s=FIRST_MEMORY_SAMPLE_S)
         except BaseException:
             self.shutdown()
             raise
@@ -350,6 +359,13 @@ class RayExecutor(Executor):
             except ray.exceptions.RayActorError:
                 dead.append(refs[ref])
         return sorted(dead)
+
+    def resident_memory(self) -> dict[str, int]:
+        """Each shard actor's RSS ("shard<rank>"), asked at most once a second and never
+        waited for (``ShardMemory``); {} once the executor is shut down."""
+        if self._dead is not None or not self.actors:
+            return {}
+        return self._memory.sample()
 
     def call_ranks(self, method: str, *args) -> list:
         """Call an actor method on every rank (debugging, tests); one result per rank."""

@@ -33,6 +33,7 @@ from typing import Any
 
 from aspire_ray.config import EngineConfig
 from aspire_ray.outputs import RequestOutput
+from aspire_ray.process_memory import RSS_KEY, ResidentMemory
 from aspire_ray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class CoreStep:
     outputs: list[RequestOutput]
     rejected: dict[str, BaseException] = field(default_factory=dict)  # adds the engine refused
     busy: bool = False  # unfinished requests remain (step again without waiting for input)
-    stats: dict = field(default_factory=dict)  # LLMEngine.stats() after the step
+    stats: dict = field(default_factory=dict)  # EngineCore.stats() after the step
     error: str | None = None  # set when the engine became unhealthy (a shard worker died)
 
 
@@ -70,6 +71,9 @@ class EngineCore:
     # step calls the replica keeps in flight (``AsyncLLMEngine``); in-process a step runs at
     # submit, so one
     pipeline_depth = 1
+    # the role of this core's process in the stats' RSS figures (``process_memory``); None:
+    # the replica's own process, whose RSS the replica's metrics read themselves
+    process_role: str | None = None
 
     def __init__(self, engine_or_cfg: Any, cpu_threads: int | None = None) -> None:
         from aspire_ray.engine.engine import LLMEngine
@@ -89,6 +93,7 @@ class EngineCore:
         self.engine.stream_text = False
         # unfinished requests whose first output was sent -> output tokens sent so far
         self._tokens_sent: dict[str, int] = {}
+        self._own_memory = ResidentMemory()
 
     def facts(self) -> CoreFacts:
         engine = self.engine
@@ -97,7 +102,15 @@ class EngineCore:
                          min(engine.max_model_len, pool - engine.cfg.spec.d_max))  # fmt: skip
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self._current_stats()
+
+    def _current_stats(self) -> dict:
+        """``LLMEngine.stats()``, with this process's RSS where it is a process of its own."""
+        stats = self.engine.stats()
+        if self.process_role is not None:
+            stats[RSS_KEY] = {self.process_role: self._own_memory.bytes(),
+                              **stats.get(RSS_KEY, {})}  # fmt: skip
+        return stats
 
     def step(self, adds: list[NewRequest], aborts: list[str]) -> CoreStep:
         """Apply the aborts, then the adds, then run one engine step (a step right after an
@@ -126,7 +139,7 @@ class EngineCore:
             if not out.finished:
                 self._tokens_sent[out.request_id] = total
         healthy = getattr(engine, "healthy", True)
-        return CoreStep(outputs, rejected, engine.has_unfinished(), engine.stats(),
+        return CoreStep(outputs, rejected, engine.has_unfinished(), self._current_stats(),
                         None if healthy else str(engine.error))  # fmt: skip
 
     def submit(self, adds: list[NewRequest], aborts: list[str]) -> Any:
@@ -176,6 +189,8 @@ class _Driver(EngineCore):
     wait, and sleeps otherwise. A failing step (an exception) or an unhealthy engine stops
     the loop; the next ``exchange`` raises the exception or returns the error."""
 
+    process_role = "driver"
+
     def __init__(self) -> None:  # the engine comes with start()
         pass
 
@@ -190,7 +205,7 @@ class _Driver(EngineCore):
         self._failed: BaseException | None = None  # a step raised
         self._ended = False  # the loop returned (a step raised, a worker died, shutdown)
         self._stopped = False
-        self._last_stats = self.engine.stats()
+        self._last_stats = self._current_stats()
         self._loop = threading.Thread(target=self._run, name="aspire-driver", daemon=True)
         self._loop.start()
         return self.facts()

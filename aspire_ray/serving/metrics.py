@@ -11,6 +11,12 @@ counters, the engine's queue and page figures only exist as ``LLMEngine.stats()`
 ``prometheus_client.Counter`` objects would add ``*_created`` series this endpoint never had.
 Each app gets its own ``CollectorRegistry`` (``make_registry``), never the global one: several
 apps in one process (tests, ``aspire-ray serve``) neither collide nor see each other's figures.
+
+Memory: ``aspire_process_resident_memory_bytes{role=...}``, one series a process serving the
+replica: ``replica`` (read at each scrape), and where they are processes of their own the
+engine's ``driver`` actor and its ``shard<rank>`` workers (``aspire_ray.process_memory``; from
+the engine's stats, as of its last step, sampled at most once a second), so that a leak in any
+of them shows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from aspire_ray.outputs import RequestOutput
+from aspire_ray.process_memory import RSS_KEY, resident_bytes
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -181,7 +188,19 @@ class ServingMetrics:
         gauge("aspire_time_to_first_token_seconds_mean",
               "Mean arrival-to-first-token time of finished requests.", base,
               ttft_sum / ttft_count if ttft_count else 0.0)
+        out.append(self._resident_memory(stats.get(RSS_KEY, {})))
         return out
+
+    def _resident_memory(self, by_role: dict[str, int]) -> Metric:
+        family = GaugeMetricFamily(
+            "aspire_process_resident_memory_bytes",
+            "Resident memory (RSS) of each process serving this replica, by role: the replica; "
+            "its engine driver actor and shard workers where they run in processes of their "
+            "own, as of the engine's last step (sampled at most once a second).",
+            labels=["model", "role"])
+        for role, n in by_role.items():
+            family.add_metric([self.model, role], n)
+        return family
 
 
 class ServingCollector(Collector):
@@ -194,7 +213,11 @@ class ServingCollector(Collector):
         self.healthy = healthy
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.metrics.families(self.stats(), self.healthy())
+        stats = self.stats()
+        # the engine's stats hold the RSS of its processes apart from this one (the driver
+        # actor, the shards); this process, the replica, is read now
+        by_role = {"replica": resident_bytes(), **stats.get(RSS_KEY, {})}
+        yield from self.metrics.families({**stats, RSS_KEY: by_role}, self.healthy())
 
 
 def make_registry(metrics: ServingMetrics, stats: Callable[[], dict],

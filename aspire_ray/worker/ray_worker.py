@@ -17,6 +17,7 @@ import torch
 
 from aspire_ray.config import EngineConfig
 from aspire_ray.plan import StepOutput, StepPlan
+from aspire_ray.process_memory import resident_bytes
 from aspire_ray.tp import distributed
 
 from .worker import Worker
@@ -107,6 +108,10 @@ class ShardWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def resident_memory(self) -> int:
+        """This process's RSS in bytes (``RayExecutor.resident_memory``, once a second)."""
+        return resident_bytes()
 
     def cpu_seconds(self) -> float:
         """CPU time of this process so far, all threads (benchmarks: the idle cost of a

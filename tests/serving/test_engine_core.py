@@ -5,8 +5,10 @@ death fails the replica's streams within a second, and the replica's death ends 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import psutil
 import pytest
 from helpers import local_ray
 
@@ -143,11 +145,25 @@ def test_driver_actor_gives_the_tokens_of_the_replica_thread(tiny_chat_model, ra
         assert remote.max_request_tokens == local.max_request_tokens
         assert _generate(remote, PROMPTS, GREEDY) == want
         assert remote.stats()["steps"] > 0 and remote.stats()["pages_used"] == 0
+        _check_driver_rss(remote, local)
         with pytest.raises(InvalidRequestError):  # a refused add crosses the actor typed
             _generate(remote, ["x"], SamplingParams(max_tokens=10**6))
         assert remote.healthy
     finally:
         remote.shutdown()
+
+
+def _check_driver_rss(remote: AsyncLLMEngine, local: AsyncLLMEngine) -> None:
+    """The driver actor's stats carry its own process's RSS under "driver" (not this
+    process's: the replica's, which the metrics read themselves); an in-process core's carry
+    none."""
+    import ray
+
+    pid = ray.get(remote.core.actor.__ray_call__.remote(lambda driver: os.getpid()))
+    rss = remote.stats()["rss_bytes"]
+    assert pid != os.getpid() and set(rss) == {"driver"}
+    assert rss["driver"] == pytest.approx(psutil.Process(pid).memory_info().rss, rel=0.25)
+    assert local.stats()["rss_bytes"] == {}
 
 
 def test_driver_death_fails_open_streams_within_a_second(tiny_chat_model, ray_instance):

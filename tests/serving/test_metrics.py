@@ -9,13 +9,16 @@ from contextlib import contextmanager
 
 import httpx
 import prometheus_client
+import psutil
+import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from aspire_ray.engine.engine import LLMEngine
+from aspire_ray.process_memory import RSS_KEY
 from aspire_ray.serving.app import create_app
 from aspire_ray.serving.async_engine import AsyncLLMEngine
-from aspire_ray.serving.metrics import ServingMetrics
+from aspire_ray.serving.metrics import ServingMetrics, make_registry
 
 from .server_utils import tiny_args
 
@@ -33,7 +36,8 @@ GAUGES = ("aspire_generation_tokens_per_second", "aspire_http_requests_in_flight
           "aspire_kv_pages_total", "aspire_kv_cache_usage_ratio", "aspire_engine_healthy",
           "aspire_spec_acceptance_rate", "aspire_spec_mean_gamma",
           "aspire_spec_mean_accepted_length", "aspire_request_latency_seconds_mean",
-          "aspire_time_to_first_token_seconds_mean")
+          "aspire_time_to_first_token_seconds_mean", "aspire_process_resident_memory_bytes")
+MEMORY = "aspire_process_resident_memory_bytes"
 
 
 @contextmanager
@@ -98,6 +102,33 @@ def test_metrics_parse_and_count_a_request(tiny_chat_model):
     # the first scrape itself is counted too: responses are counted once they are sent
     assert _value(after, "aspire_http_requests_total", endpoint=C, status="200") == 1
     assert _value(after, "aspire_http_requests_total", endpoint="/metrics", status="200") == 1
+    # the engine steps in this process (the replica's thread, tp = 1): one process, one role
+    assert _by_role(after) == {"replica": pytest.approx(_own_rss(), rel=0.25)}
+
+
+def _by_role(families: dict) -> dict[str, float]:
+    return {s.labels["role"]: s.value for s in families[MEMORY].samples}
+
+
+def _own_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_each_process_rss_is_a_gauge_by_role():
+    """The engine's stats carry the RSS of its processes apart from the replica's (the driver
+    actor, the shard workers); the collector adds the replica's own, read at the scrape."""
+    mib = 2**20
+    stats = {"pages_used": 3, RSS_KEY: {"driver": 300 * mib, "shard0": 500 * mib,
+                                        "shard1": 510 * mib}}  # fmt: skip
+    registry = make_registry(ServingMetrics("m", "aspire"), lambda: stats, lambda: True)
+    text = prometheus_client.generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families[MEMORY].type == "gauge"
+    assert _by_role(families) == {"replica": pytest.approx(_own_rss(), rel=0.25),
+                                  "driver": 300 * mib, "shard0": 500 * mib, "shard1": 510 * mib}
+    assert {s.labels["model"] for s in families[MEMORY].samples} == {"m"}
+    assert _value(families, "aspire_kv_pages_used") == 3  # the other figures as before
+    assert "replica" not in stats[RSS_KEY]  # the engine's stats are not written to
 
 
 def test_two_apps_keep_separate_registries(tiny_chat_model):
