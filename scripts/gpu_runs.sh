@@ -121,6 +121,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
               + (f", woke {v['wake_latency_ms_median']:.2f} ms after its tokens"
                  if "wake_latency_ms_median" in v else ""))
     print("   syncs:", b.get("syncs"))
+    p = b.get("process") or {}  # collections in the window (gc_at_waits moves them into waits)
+    print("   gc:", {g: (p.get(f"gc{g}_collections"), round(1e3 * p.get(f"gc{g}_seconds", 0), 1))
+                     for g in range(3)}, "(count, ms)")
 PY
     ;;
   kernels)  # a step's small kernels, fused against separate and new against old (no model;
