@@ -60,6 +60,7 @@ def build_app(args: dict):
     """
     parsed = AppArgs.model_validate(args or {})
     check_model_exists(parsed)
+    check_model_shardable(parsed)
     return bind(parsed)
 
 
@@ -76,3 +77,16 @@ def check_model_exists(args: AppArgs) -> None:
     if not path.exists():
         raise ValueError(f"engine.model: {args.engine.model!r} is neither a known alias nor an "
                          f"existing file or directory")
+
+
+def check_model_shardable(args: AppArgs) -> None:
+    """Fail fast when engine.tp_size does not divide the model's heads or MLP: in a replica
+    the error would only show as Serve's retries of a constructor that cannot succeed."""
+    if args.engine.tp_size == 1:
+        return
+    from aspire_ray.executor.ray_executor import check_shardable
+
+    try:
+        check_shardable(args.engine.to_engine_config())
+    except ValueError as exc:
+        raise ValueError(f"engine.tp_size: {exc}") from None

