@@ -66,6 +66,11 @@ def test_draft_rows_pay_for_the_refresh_layer():
     # 32k context, |S| = 2,304 tokens: 23 sparse layers + the full list read and scored at l_r
     assert reads.draft(2304, 32768) == pytest.approx((23 * 2304 + 1.5 * 32768) / 24)
     assert KVReads(24, refresh_while_drafting=False).draft(2304, 32768) == 2304
+    sparse, ctx = np.array([80, 2304]), np.array([1000, 32768])  # the policy prices rows at once
+    for refresh in (True, False):
+        reads_of = KVReads(24, refresh)
+        one_by_one = [reads_of.draft(s, c) for s, c in zip(sparse, ctx, strict=True)]
+        assert list(reads_of.draft(sparse, ctx)) == one_by_one
     assert reads.full(32768) == 32768
     # query tiles of 9 tokens (Qwen2.5: 7 q heads per KV head in a 64-row tile): a verify row
     # of up to 9 queries reads its KV once, of 10-18 twice

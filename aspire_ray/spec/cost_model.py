@@ -173,9 +173,12 @@ class KVReads:
         if self.query_tile is not None and self.query_tile < 1:
             raise ValueError(f"query_tile must be >= 1 or None, got {self.query_tile}")
 
-    def draft(self, sparse_tokens: int, context_tokens: int) -> float:
+    def draft(self, sparse_tokens: int | np.ndarray,
+              context_tokens: int | np.ndarray) -> float | np.ndarray:
+        """KV tokens a draft row reads; scalars or numpy arrays of rows (the policy prices
+        every row's context at once)."""
         if not self.refresh_while_drafting:
-            return float(sparse_tokens)
+            return np.multiply(sparse_tokens, 1.0)  # a float, or a float array of the rows
         n = self.num_layers
         return ((n - 1) * sparse_tokens + 1.5 * context_tokens) / n
 
