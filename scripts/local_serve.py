@@ -23,8 +23,10 @@ def config_app_args(path: str | Path) -> dict:
 
 
 @contextmanager
-def serve_app(app_args: dict, port: int = 0, num_cpus: int | None = None) -> Iterator[str]:
-    """Ray (``num_cpus`` logical CPUs, or Ray's default), Serve on 127.0.0.1:``port`` (0: a
+def serve_app(app_args: dict, port: int = 0, num_cpus: int | None = None,
+              address: str | None = None) -> Iterator[str]:
+    """Ray (``num_cpus`` logical CPUs, or Ray's default; ``address`` as ``ray.init`` takes it:
+    "local" never joins a cluster someone else started), Serve on 127.0.0.1:``port`` (0: a
     free one) and the application of ``app_args`` -> its base URL; Serve and Ray are shut down
     after (a replica's driver and shard actors with them)."""
     import ray
@@ -33,7 +35,7 @@ def serve_app(app_args: dict, port: int = 0, num_cpus: int | None = None) -> Ite
     from aspire_ray.serving.deployment import build_app
 
     port = port or free_port()
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(address=address, include_dashboard=False, log_to_driver=False,
              **({} if num_cpus is None else {"num_cpus": num_cpus}))
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

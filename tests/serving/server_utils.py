@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from helpers import scripts_imported
 
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.serving.app import create_app
@@ -51,9 +52,8 @@ def make_tiny_chat_model(path, seed: int = 0) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with scripts_imported("local_serve") as (local_serve,):
+        return local_serve.free_port()
 
 
 class LiveServer:
@@ -154,18 +154,8 @@ def config_args(name: str, **engine) -> dict:
 def ray_serve_app(args: dict, num_cpus: int):
     """The application of ``args`` (a serve config's args) under Ray Serve on a private local
     Ray instance of ``num_cpus`` logical CPUs, on a free loopback port -> its base URL; Serve
-    and Ray shut down after."""
-    import ray
-    from ray import serve
-
-    from aspire_ray.serving.deployment import build_app
-
-    port = free_port()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="aspire", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    and Ray shut down after (scripts/local_serve.py: what bench_serve and soak run)."""
+    with scripts_imported("local_serve") as (local_serve,):
+        serve_app = local_serve.serve_app
+    with serve_app(args, num_cpus=num_cpus, address="local") as url:
+        yield url

@@ -9,30 +9,19 @@ import httpx
 import openai
 import pytest
 
-from .server_utils import config_args, free_port
+from .server_utils import config_args, ray_serve_app
 
 
 @pytest.fixture(scope="module")
 def served(tiny_chat_model):
     """The local config's application, two replicas (each its own engine driver) behind one
     proxy, on a private Ray instance -> its base URL."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from aspire_ray.serving.deployment import build_app
-
+    pytest.importorskip("ray")
     args = config_args("local", model=tiny_chat_model, calibrate="off", num_pages=64)
     args["server"].update(served_model_name="tiny", cpu_threads=1)
     args["deployment"].update(num_replicas=2, ray_actor_options={"num_cpus": 1})
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="aspire", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_serve_app(args, num_cpus=4) as url:
+        yield url
 
 
 @pytest.mark.timeout(420)  # the first test to ask for `served` also starts it
