@@ -77,6 +77,14 @@ def make_tiny_model(path, family: str, seed: int = 0):
     return model
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold slow tests first, each file's tests together and in their order:
+    the README runs the suite on two workers (pytest-xdist, a file to a worker), and a long
+    file handed out last would leave one worker idle while the other ends it (longest first)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay contiguous
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """family -> path of a saved tiny random HF model."""
