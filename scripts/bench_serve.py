@@ -127,18 +127,20 @@ def offline_counters(llm: LLM) -> tuple[float, ...]:
     stats = llm.stats()
     timings = stats.get("timings", {})
     return (float(stats.get("steps", 0)), sum(stats.get("step_seconds", {}).values()),
-            sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")))
+            sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")),
+            float(stats.get("pages_total", math.nan)))
 
 
 def engine_figures(start: tuple, end: tuple, wall: float) -> dict:
     """The engine over one timed run, from its counters at both ends: steps, their worker and
     whole (scheduling, worker, commit) seconds, and the fraction of the run's wall time it
     spent in steps. Served against offline, a lower fraction is an engine waiting for work
-    (prompts reaching it late), a longer step a step made slower (issue 16)."""
-    steps, worker, whole = (b - a for a, b in zip(start, end, strict=True))
+    (prompts reaching it late), a longer step a step made slower (issue 16); and its KV pool
+    in pages (a pool too small for the batch admits requests late: their TTFTs)."""
+    steps, worker, whole = (b - a for a, b in zip(start[:3], end[:3], strict=True))
     return {"steps": steps, "worker_s": worker, "step_wall_s": whole,
             "step_ms": 1e3 * whole / steps if steps > 0 else math.nan,
-            "busy_frac": whole / wall if wall > 0 else math.nan}
+            "busy_frac": whole / wall if wall > 0 else math.nan, "kv_pages": end[3]}
 
 
 def timed_generate(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[dict, list]:
@@ -202,11 +204,13 @@ COUNTERS = ("steps", "step_seconds", "step_wall_seconds")
 
 
 async def engine_counters(client, url: str) -> tuple[float, ...]:
-    """(engine steps, their worker seconds, their wall seconds) from the server's /metrics."""
+    """(engine steps, their worker seconds, their wall seconds, KV pool pages) from the
+    server's /metrics."""
     text = (await client.get(f"{url}/metrics")).text
-    found = {name: float(m.group(1)) for name in COUNTERS
-             if (m := re.search(rf"^aspire_engine_{name}_total{{[^}}]*}} (\S+)$", text, re.M))}
-    return tuple(found.get(name, math.nan) for name in COUNTERS)
+    names = [f"aspire_engine_{name}_total" for name in COUNTERS] + ["aspire_kv_pages_total"]
+    found = {name: float(m.group(1)) for name in names
+             if (m := re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))}
+    return tuple(found.get(name, math.nan) for name in names)
 
 
 def steady_decode(results: list[dict], start: tuple, end: tuple) -> dict:
@@ -219,7 +223,7 @@ def steady_decode(results: list[dict], start: tuple, end: tuple) -> dict:
     (t0, c0), (t1, c1) = start, end
     gaps = [b - a for r in results for a, b in zip(r["arrivals"][:-1], r["arrivals"][1:],
                                                   strict=True) if t0 <= a and b <= t1]  # fmt: skip
-    steps, seconds, wall = (b - a for a, b in zip(c0, c1, strict=True))
+    steps, seconds, wall = (b - a for a, b in zip(c0[:3], c1[:3], strict=True))
     step_ms = 1e3 * seconds / steps if steps > 0 else math.nan
     wall_ms = 1e3 * wall / steps if steps > 0 else math.nan
     gap = percentiles(gaps)
@@ -311,8 +315,8 @@ def table_row(label: str, r: dict) -> str:
     pct = {key: "/".join(f"{r[key][f'p{q}_ms']:.{digits}f}" for q in PERCENTILES)
            if key in r else "" for key, digits in (("ttft", 0), ("inter_chunk", 1))}  # fmt: skip
     eng = r.get("engine")
-    busy = f"{eng['steps']:.0f} / {eng['step_ms']:.1f} / {100 * eng['busy_frac']:.0f}%" \
-        if eng else ""  # fmt: skip
+    busy = f"{eng['steps']:.0f} / {eng['step_ms']:.1f} / {100 * eng['busy_frac']:.0f}% / " \
+        f"{eng.get('kv_pages', math.nan):.0f}" if eng else ""  # fmt: skip
     return (f"| {label} | {r['wall_s']:.2f} | {r['output_tokens']} | {r['tokens_per_s']:.1f} "
             f"| {pct['ttft']} | {pct['inter_chunk']} | {busy} |")
 
@@ -328,7 +332,7 @@ def path_rows(label: str, r: dict) -> list[str]:
 def table(result: dict) -> str:
     off, srv = result["offline"], result["served"]
     rows = ["| path | wall s | tokens | tokens/s | TTFT p50/p90/p99 ms | gap p50/p90/p99 ms "
-            "| engine steps / ms a step / busy |",
+            "| engine steps / ms a step / busy / KV pages |",
             "|---|---|---|---|---|---|---|", *path_rows("offline", off),
             *path_rows(f"served x{srv['concurrency']}", srv)]
     rows.append(f"\nserved / offline tokens/s (medians): {result['ratio']:.3f}")

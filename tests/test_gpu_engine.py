@@ -290,3 +290,25 @@ def test_older_collections_fall_in_the_waits_on_gpu(monkeypatch):
     finally:
         gc.callbacks.remove(watch)
     assert inside and not outside, (inside, outside)
+
+
+def test_shutdown_gives_the_gpu_memory_back():
+    # heap.return_device_memory: the next engine, or a Serve replica, on this GPU sizes its KV
+    # pool by what the driver reports free; what the caching allocator kept for this process
+    # (the KV pool, the graphs' pools, held in cycles) must go back at shutdown
+    _run.last_worker = _run.last_engine = None  # earlier tests' engines: not this test's
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
+    # no num_pages: the KV pool takes gpu_memory_utilization of the free memory
+    cfg = build_engine_config("dummy", load_format="dummy", hf_overrides=SMOLLM2_SHAPES,
+                              device="cuda", dtype="bfloat16", spec_mode="aspire",
+                              calibrate="off")  # fmt: skip
+    engine = LLMEngine(cfg)
+    assert torch.cuda.mem_get_info()[0] < free_before / 2  # the pool took most of it
+    run_staggered(engine, random_prompts(4, [300, 1200], vocab=49152, seed=2),
+                  [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4)
+    engine.shutdown()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (256 << 20)

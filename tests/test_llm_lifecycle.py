@@ -7,9 +7,10 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 
 import pytest
-from helpers import local_ray, random_prompts
+from helpers import local_ray, random_prompts, use_eager_graphs
 
 from aspire_ray import LLM, SamplingParams
 
@@ -80,6 +81,18 @@ def test_tp1_context_manager_and_shutdown_twice(tiny_model_dir):
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], PARAMS)
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_tp1_shutdown_frees_the_model_and_the_kv_pool(tiny_model_dir, mode):
+    # freed by the shutdown itself, reference cycles and the frozen heap included: the GPU
+    # memory can then go back to the device for the next engine (heap.return_device_memory)
+    with LLM(tiny_model_dir("llama_2l"), **dict(KW, spec_mode=mode, max_num_seqs=2)) as llm:
+        use_eager_graphs(llm.engine, graph_tokens=8)  # captured steps: closures, cycles
+        assert len(llm.generate([[1, 2, 3]], PARAMS)[0].token_ids) == 6
+        worker = weakref.ref(llm.engine.executor.worker)
+        kv = weakref.ref(llm.engine.executor.worker.kv_caches[0])
+    assert worker() is None and kv() is None
 
 
 def test_tp2_context_manager_releases_group_and_actors(ray_one_group, tiny_model_dir):

@@ -247,10 +247,12 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        """Release the workers (idempotent); steps after it fail every request."""
+        """Release the workers (idempotent); steps after it fail every request. An in-process
+        worker's GPU memory goes back to the device (``heap.return_device_memory``)."""
         self.executor.shutdown()
         if self.cfg.gc_freeze:  # what the engine held in cycles can be collected again
             heap.release()
+        heap.return_device_memory()
 
 
 def _cost_kind(kinds: set[RowKind]) -> str:

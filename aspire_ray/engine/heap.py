@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 
 _at_exit = False  # the exit hook is registered
 
@@ -35,3 +36,16 @@ def freeze() -> None:
 def release() -> None:
     """Unfreeze (every engine's frozen heap: the next engine built freezes again)."""
     gc.unfreeze()
+
+
+def return_device_memory() -> None:
+    """After an engine's shutdown: collect what it held in reference cycles (the model, the KV
+    pool, the graphs), then hand torch's cached CUDA blocks back to the driver. The caching
+    allocator keeps a freed tensor's memory for this process, and the next engine or a Serve
+    replica on the same GPU sizes its KV pool by what the driver reports free (a Serve
+    replica started after an offline LLM in one process: docs/benchmarks.md §9). No-op for
+    CUDA in a process that never initialized it."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
