@@ -63,7 +63,9 @@ def test_greedy_matches_transformers_on_default_model(ar_llm):
 def test_every_mode_matches_ar_on_real_text(ar_llm):
     """384-token prompts of real text (24 pages; the prefills are most of the test's time,
     640 tokens took 8 s more); k_min = 8 pages so drafting is sparse. 12 new tokens: still 3
-    or 4 verified rounds per request in every mode."""
+    or 4 verified rounds per request in every mode. No start-up calibration: aspire's sweep
+    took 12 s of the test's 56, and exactness does not depend on the cost model's figures (the
+    sweep itself: test_calibration.py); the drafted-token assertion below still holds."""
     tok = ar_llm.tokenizer
     prompts = [_real_text_ids(tok, 384, offset=o) for o in (0, 5000)] + [
         _real_text_ids(tok, 200, offset=9000)]
@@ -71,7 +73,7 @@ def test_every_mode_matches_ar_on_real_text(ar_llm):
     expected = [o.token_ids for o in ar_llm.generate(prompts, params)]
     for mode in SPEC_MODES[1:]:
         llm = LLM(spec_mode=mode, num_pages=400, max_num_batched_tokens=512, k_min=8,
-                  recent_pages=2, gamma=4)
+                  recent_pages=2, gamma=4, calibrate="off")
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == expected, mode
         assert sum(o.metrics.drafted for o in outs) > 0

@@ -230,14 +230,15 @@ class Scheduler:
         # the fresh choice is this run's promise for the next, its verifications on the slots
         # of that run (where each row's drafts held then follow from this run's schedule)
         held = [len(r.drafts) for r in reqs]
-        now = self.policy.align(gammas, held, self.decode_steps, caps)
+        keep = [self.policy.keeps_its_target(r, g) for r, g in zip(reqs, gammas, strict=True)]
+        now = self.policy.align(gammas, held, self.decode_steps, caps, keep)
         now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, now, caps,
                                                                           strict=True)]
         if spec.verify_quantum > 1:  # per plan, and only with slots: the drafts held then
             steps = self._async_length(reqs)
             held_next = [held_after(async_kinds(h, g, steps), h)
                          for h, g in zip(held, now, strict=True)]  # fmt: skip
-            gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps)
+            gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps, keep)
         for draft_lengths in (now, gammas):
             if sum(max(len(r.drafts), g) + 1
                    for r, g in zip(reqs, draft_lengths, strict=True)) > budget:  # fmt: skip

@@ -215,20 +215,32 @@ class DraftPolicy:
         return [min(self.target(r, batch, o), self.cfg.max_drafts, cap)
                 for r, cap, o in zip(reqs, caps, optima, strict=True)]  # fmt: skip
 
-    def align(self, targets: list[int], held: list[int], step: int,
-              caps: list[int]) -> list[int]:  # fmt: skip
+    def keeps_its_target(self, req: Request, target: int) -> bool:
+        """Whether ``align`` leaves the request's draft length alone: a sampled request (its
+        draws follow its draft lengths, so a seeded request's text must not depend on the
+        engine's step clock, i.e. on when it arrived) and a probe (one draft, the cheapest
+        lesson for alpha and the cost model)."""
+        probe = target == 1 and self.cfg.mode_spec.gamma_rule == "cost_model" \
+            and req.plain_verifies >= self.cfg.probe_every  # fmt: skip
+        return probe or not req.sampling.greedy
+
+    def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
+              keep: list[bool] | None = None) -> list[int]:  # fmt: skip
         """Each draft length moved to the nearest one (ties: the longer) whose next
         verification falls on a verify slot (``SpecConfig.verify_quantum``), for rows that
         hold held[i] drafts at decode step ``step`` (a row verifies at the first step where it
         holds its draft length). Unchanged: the synchronized modes, a target of 0 (a plain
-        step every step), a row whose cap leaves no slot within reach."""
+        step every step), a row whose cap leaves no slot within reach, a row with keep[i]
+        (``keeps_its_target``)."""
         q = self.cfg.verify_quantum
         if q == 1 or self.cfg.synchronized:
             return list(targets)
         # never past the query tile the target fits in: one more query there reads the KV again
         tile = self.kv_reads.query_tile
-        return [aligned_gamma(g, h, step, q, cap if tile is None else min(cap, max(g, tile - 1)))
-                for g, h, cap in zip(targets, held, caps, strict=True)]  # fmt: skip
+        keep = keep or [False] * len(targets)
+        return [g if k else
+                aligned_gamma(g, h, step, q, cap if tile is None else min(cap, max(g, tile - 1)))
+                for g, h, cap, k in zip(targets, held, caps, keep, strict=True)]  # fmt: skip
 
     def decide(self, reqs: list[Request], caps: list[int],
                step: int | None = None) -> list[Action]:  # fmt: skip
@@ -239,7 +251,8 @@ class DraftPolicy:
         batch = len(reqs)
         targets = self.targets(reqs, caps)
         if step is not None:
-            targets = self.align(targets, [len(r.drafts) for r in reqs], step, caps)
+            keep = [self.keeps_its_target(r, t) for r, t in zip(reqs, targets, strict=True)]
+            targets = self.align(targets, [len(r.drafts) for r in reqs], step, caps, keep)
         if self.cfg.synchronized:
             if all(len(r.drafts) >= t for r, t in zip(reqs, targets, strict=True)):
                 return [Action.VERIFY] * batch
