@@ -230,7 +230,8 @@ class Scheduler:
         # the fresh choice is this run's promise for the next, its verifications on the slots
         # of that run (where each row's drafts held then follow from this run's schedule)
         held = [len(r.drafts) for r in reqs]
-        keep = [self.policy.keeps_its_target(r, g) for r, g in zip(reqs, gammas, strict=True)]
+        keep = [self.policy.keeps_its_target(r, g)
+                for r, g in zip(reqs, gammas, strict=True)] if self.policy.slotted else None
         now = self.policy.align(gammas, held, self.decode_steps, caps, keep)
         now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, now, caps,
                                                                           strict=True)]

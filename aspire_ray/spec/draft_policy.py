@@ -146,7 +146,7 @@ class DraftPolicy:
         gamma = self.cost_optimal_gamma(req, batch) if optimum is None else optimum
         if not req.verified_once:
             gamma = max(gamma, self.cfg.gamma_init)
-        if gamma == 0 and req.plain_verifies >= self.cfg.probe_every:
+        if gamma == 0 and self.probe_due(req):
             gamma = 1  # probe: one draft, verified next step, feeds alpha and the cost model
         return gamma
 
@@ -215,13 +215,23 @@ class DraftPolicy:
         return [min(self.target(r, batch, o), self.cfg.max_drafts, cap)
                 for r, cap, o in zip(reqs, caps, optima, strict=True)]  # fmt: skip
 
+    def probe_due(self, req: Request) -> bool:
+        """The request verified ``probe_every`` times without drafts: its next draft length
+        of 0 becomes a one-draft probe (``target``)."""
+        return req.plain_verifies >= self.cfg.probe_every
+
+    @property
+    def slotted(self) -> bool:
+        """Whether ``align`` moves draft lengths (verify slots in an unsynchronized mode)."""
+        return self.cfg.verify_quantum > 1 and not self.cfg.synchronized
+
     def keeps_its_target(self, req: Request, target: int) -> bool:
         """Whether ``align`` leaves the request's draft length alone: a sampled request (its
         draws follow its draft lengths, so a seeded request's text must not depend on the
         engine's step clock, i.e. on when it arrived) and a probe (one draft, the cheapest
         lesson for alpha and the cost model)."""
         probe = target == 1 and self.cfg.mode_spec.gamma_rule == "cost_model" \
-            and req.plain_verifies >= self.cfg.probe_every  # fmt: skip
+            and self.probe_due(req)  # fmt: skip
         return probe or not req.sampling.greedy
 
     def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
@@ -233,7 +243,7 @@ class DraftPolicy:
         step every step), a row whose cap leaves no slot within reach, a row with keep[i]
         (``keeps_its_target``)."""
         q = self.cfg.verify_quantum
-        if q == 1 or self.cfg.synchronized:
+        if not self.slotted:
             return list(targets)
         # never past the query tile the target fits in: one more query there reads the KV again
         tile = self.kv_reads.query_tile
@@ -250,7 +260,7 @@ class DraftPolicy:
             return [Action.VERIFY] * len(reqs)
         batch = len(reqs)
         targets = self.targets(reqs, caps)
-        if step is not None:
+        if step is not None and self.slotted:
             keep = [self.keeps_its_target(r, t) for r, t in zip(reqs, targets, strict=True)]
             targets = self.align(targets, [len(r.drafts) for r in reqs], step, caps, keep)
         if self.cfg.synchronized:
@@ -283,7 +293,7 @@ class DraftPolicy:
         if drafted == 0:
             req.plain_verifies += 1
             return
-        self.num_probes += int(req.plain_verifies >= self.cfg.probe_every)
+        self.num_probes += int(self.probe_due(req))
         req.plain_verifies = 0
         req.verified_once = True
         self.seen_accepted, self.seen_tried = update_pooled(
