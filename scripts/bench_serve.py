@@ -126,9 +126,13 @@ def offline_counters(llm: LLM) -> tuple[float, ...]:
     path's /metrics are made of)."""
     stats = llm.stats()
     timings = stats.get("timings", {})
+    breakdown = {f"phase {k} s": v for k, v in timings.items() if k != "total"}
+    for kind, n in stats.get("step_kinds", {}).items():
+        breakdown[f"{kind} steps"] = float(n)
+        breakdown[f"{kind} s"] = stats.get("step_seconds", {}).get(kind, 0.0)
     return (float(stats.get("steps", 0)), sum(stats.get("step_seconds", {}).values()),
             sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")),
-            float(stats.get("pages_total", math.nan)))
+            float(stats.get("pages_total", math.nan)), breakdown)
 
 
 def engine_figures(start: tuple, end: tuple, wall: float) -> dict:
@@ -140,7 +144,11 @@ def engine_figures(start: tuple, end: tuple, wall: float) -> dict:
     steps, worker, whole = (b - a for a, b in zip(start[:3], end[:3], strict=True))
     return {"steps": steps, "worker_s": worker, "step_wall_s": whole,
             "step_ms": 1e3 * whole / steps if steps > 0 else math.nan,
-            "busy_frac": whole / wall if wall > 0 else math.nan, "kv_pages": end[3]}
+            "busy_frac": whole / wall if wall > 0 else math.nan, "kv_pages": end[3],
+            # where the steps' time went: steps and worker seconds by step kind, and the
+            # seconds of each phase (schedule / execute / commit; the worker's prepare,
+            # forward, sample, refresh): the two paths side by side name what differs
+            "breakdown": {k: v - start[4].get(k, 0.0) for k, v in sorted(end[4].items())}}
 
 
 def timed_generate(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[dict, list]:
@@ -210,7 +218,14 @@ async def engine_counters(client, url: str) -> tuple[float, ...]:
     names = [f"aspire_engine_{name}_total" for name in COUNTERS] + ["aspire_kv_pages_total"]
     found = {name: float(m.group(1)) for name in names
              if (m := re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))}
-    return tuple(found.get(name, math.nan) for name in names)
+    breakdown = {}  # offline_counters' names for the labelled families
+    for family, label, name in (("steps_by_kind", "kind", "{} steps"),
+                                ("step_seconds_by_kind", "kind", "{} s"),
+                                ("phase_seconds", "phase", "phase {} s")):
+        for m in re.finditer(rf'^aspire_engine_{family}_total{{[^}}]*{label}="([^"]+)"[^}}]*}} '
+                             rf"(\S+)$", text, re.M):
+            breakdown[name.format(m.group(1))] = float(m.group(2))
+    return (*(found.get(name, math.nan) for name in names), breakdown)
 
 
 def steady_decode(results: list[dict], start: tuple, end: tuple) -> dict:
@@ -343,7 +358,20 @@ def table(result: dict) -> str:
                     f"{sd['engine_step_ms']:.1f} ms a step ({sd['engine_steps']:.0f} steps): "
                     f"{sd['gap_p50_over_step']:.2f}x; whole engine step "
                     f"{sd['engine_step_wall_ms']:.1f} ms: {sd['gap_p50_over_step_wall']:.2f}x")
+    rows += ["", *breakdown_table(off["engine"], srv["engine"])]
     return "\n".join(rows)
+
+
+def breakdown_table(off: dict, srv: dict) -> list[str]:
+    """The two paths' engine breakdowns (median repeats) side by side: what the served engine
+    spends more on, by step kind and phase."""
+    a, b = off.get("breakdown", {}), srv.get("breakdown", {})
+    rows = ["| engine (median run) | offline | served | served - offline |", "|---|---|---|---|"]
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key, 0.0), b.get(key, 0.0)
+        fmt = "{:.0f}" if key.endswith("steps") else "{:.3f}"
+        rows.append(f"| {key} | {fmt.format(x)} | {fmt.format(y)} | {fmt.format(y - x)} |")
+    return rows
 
 
 def main(argv=None) -> None:

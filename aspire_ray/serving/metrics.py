@@ -163,6 +163,7 @@ class ServingMetrics:
                 "Wall seconds of the engine's steps: scheduling, the workers' step and the "
                 "commit of its tokens.", base,
                 sum(timings.get(k, 0.0) for k in ("schedule", "execute", "commit")))
+        out += self._step_breakdown(stats)
         counter("aspire_preemptions_total", "Requests preempted for lack of pages.", base,
                 stats.get("preemptions", 0))
         gauge("aspire_engine_healthy", "1 while the engine loop is alive.", base, int(healthy))
@@ -190,6 +191,28 @@ class ServingMetrics:
               ttft_sum / ttft_count if ttft_count else 0.0)
         out.append(self._resident_memory(stats.get(RSS_KEY, {})))
         return out
+
+    def _step_breakdown(self, stats: dict) -> list[Metric]:
+        """The engine's steps and worker seconds by step kind, and its seconds by phase: where
+        a step's time goes (a slower step of one kind, or more steps of a costlier kind)."""
+        steps = CounterMetricFamily("aspire_engine_steps_by_kind_total",
+                                    "Engine steps by kind (a draft chain counts its steps).",
+                                    labels=["model", "kind"])
+        seconds = CounterMetricFamily("aspire_engine_step_seconds_by_kind_total",
+                                      "Worker seconds of the engine's steps by kind.",
+                                      labels=["model", "kind"])
+        for kind, n in sorted(stats.get("step_kinds", {}).items()):
+            steps.add_metric([self.model, kind], n)
+            seconds.add_metric([self.model, kind], stats.get("step_seconds", {}).get(kind, 0.0))
+        phases = CounterMetricFamily(
+            "aspire_engine_phase_seconds_total",
+            "Seconds of the engine's steps by phase: the driver's schedule, execute and commit; "
+            "the worker's prepare, forward, sample and refresh (parts of execute).",
+            labels=["model", "phase"])
+        for phase, s in sorted(stats.get("timings", {}).items()):
+            if phase != "total":  # the sum of the by-kind worker seconds
+                phases.add_metric([self.model, phase], s)
+        return [steps, seconds, phases]
 
     def _resident_memory(self, by_role: dict[str, int]) -> Metric:
         family = GaugeMetricFamily(

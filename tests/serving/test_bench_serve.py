@@ -61,12 +61,20 @@ def test_bench_serve_cpu_smoke(tiny_chat_model, tmp_path):
             eng = rep["engine"]
             assert eng["steps"] > 0 and 0 < eng["worker_s"] <= eng["step_wall_s"]
             assert 0 < eng["busy_frac"] <= 1.0 and eng["step_ms"] > 0
+            # its breakdown: by step kind (worker seconds adding up to the worker's) and phase
+            parts = eng["breakdown"]
+            kinds = [k for k in parts if k.endswith(" steps")]
+            assert kinds and sum(parts[k.replace(" steps", " s")] for k in kinds) == \
+                pytest.approx(eng["worker_s"])
+            assert sum(parts[f"phase {p} s"] for p in ("schedule", "execute", "commit")) == \
+                pytest.approx(eng["step_wall_s"])
     # and its KV pool: the same size on both paths (the offline engine's memory let go)
     pages = {path: [rep["engine"]["kv_pages"] for rep in result[path]["repeats"]]
              for path in ("offline", "served")}  # fmt: skip
     assert pages["offline"][0] > 0 and set(pages["offline"]) == set(pages["served"]), pages
     for row in ("offline #1", "offline #2", "offline median", "served x4 #1", "served x4 median"):
         assert f"| {row} |" in proc.stdout
+    assert "| phase forward s |" in proc.stdout
 
 
 def test_offline_and_served_engines_get_one_config(monkeypatch):

@@ -30,7 +30,8 @@ COUNTERS = ("aspire_http_requests_total", "aspire_requests_finished_total",
             "aspire_engine_steps_total", "aspire_engine_step_seconds_total",
             "aspire_engine_step_wall_seconds_total", "aspire_preemptions_total",
             "aspire_spec_draft_tokens_verified_total", "aspire_spec_accepted_tokens_total",
-            "aspire_spec_verifications_total")
+            "aspire_spec_verifications_total", "aspire_engine_steps_by_kind_total",
+            "aspire_engine_step_seconds_by_kind_total", "aspire_engine_phase_seconds_total")
 GAUGES = ("aspire_generation_tokens_per_second", "aspire_http_requests_in_flight",
           "aspire_num_requests_waiting", "aspire_num_requests_running", "aspire_kv_pages_used",
           "aspire_kv_pages_total", "aspire_kv_cache_usage_ratio", "aspire_engine_healthy",
@@ -100,6 +101,15 @@ def test_metrics_parse_and_count_a_request(tiny_chat_model):
     assert grew("aspire_engine_steps_total") >= 1 and grew("aspire_engine_step_seconds_total") > 0
     # the engine's whole step holds its workers' part
     assert grew("aspire_engine_step_wall_seconds_total") >= grew("aspire_engine_step_seconds_total")
+    # the breakdowns add up to the totals: steps and worker seconds by kind, phases
+    kinds = {s.labels["kind"] for s in after["aspire_engine_steps_by_kind"].samples}
+    assert kinds and sum(grew("aspire_engine_steps_by_kind_total", kind=k) for k in kinds) >= 1
+    assert sum(grew("aspire_engine_step_seconds_by_kind_total", kind=k) for k in kinds) == \
+        pytest.approx(grew("aspire_engine_step_seconds_total"))
+    assert sum(grew("aspire_engine_phase_seconds_total", phase=p)
+               for p in ("schedule", "execute", "commit")) == \
+        pytest.approx(grew("aspire_engine_step_wall_seconds_total"))
+    assert grew("aspire_engine_phase_seconds_total", phase="forward") > 0
     # the first scrape itself is counted too: responses are counted once they are sent
     assert _value(after, "aspire_http_requests_total", endpoint=C, status="200") == 1
     assert _value(after, "aspire_http_requests_total", endpoint="/metrics", status="200") == 1
