@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aspire_ray.config import EngineConfig
-from aspire_ray.outputs import RequestOutput
+from aspire_ray.outputs import RequestMetrics, RequestOutput
 from aspire_ray.process_memory import RSS_KEY, ResidentMemory
 from aspire_ray.sampling_params import SamplingParams
 
@@ -63,6 +63,27 @@ class CoreStep:
     busy: bool = False  # unfinished requests remain (step again without waiting for input)
     stats: dict = field(default_factory=dict)  # EngineCore.stats() after the step
     error: str | None = None  # set when the engine became unhealthy (a shard worker died)
+
+    def __reduce__(self):
+        """Pickled (a driver's results crossing to the replica) with its outputs as tuples of
+        plain values: 64 outputs in ~0.03 ms where the dataclasses (each RequestOutput with its
+        RequestMetrics, whose lists grow with the request) took 0.5-1.1 ms, in the driver's Ray
+        thread while its step loop schedules the next step (docs/benchmarks.md §9, session 32).
+        An unfinished output crosses without its metrics and arrives with an empty
+        RequestMetrics: the replica reads a request's metrics when it finishes only
+        (``ServingMetrics.on_finished``)."""
+        wire = [(o.request_id, o.prompt_token_ids, o.token_ids, o.text, o.finished,
+                 o.finish_reason, o.metrics if o.finished else None, o.error)
+                for o in self.outputs]  # fmt: skip
+        return _core_step_from_wire, (wire, self.rejected, self.busy, self.stats, self.error)
+
+
+def _core_step_from_wire(wire: list[tuple], rejected: dict, busy: bool, stats: dict,
+                         error: str | None) -> CoreStep:  # fmt: skip
+    outputs = [RequestOutput(rid, prompt, tokens, text, finished, reason,
+                             metrics if metrics is not None else RequestMetrics(), err)
+               for rid, prompt, tokens, text, finished, reason, metrics, err in wire]  # fmt: skip
+    return CoreStep(outputs, rejected, busy, stats, error)
 
 
 class EngineCore:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 
 import psutil
@@ -14,10 +15,12 @@ from helpers import local_ray
 
 from aspire_ray import SamplingParams
 from aspire_ray.llm import build_engine_config
+from aspire_ray.outputs import RequestMetrics, RequestOutput
 from aspire_ray.sampling_params import InvalidRequestError
 from aspire_ray.serving.async_engine import AsyncLLMEngine
 from aspire_ray.serving.engine_core import (
     ActorCore,
+    CoreStep,
     DriverPlacementError,
     EngineCore,
     NewRequest,
@@ -91,6 +94,38 @@ def test_a_prompt_crosses_the_channel_once(tiny_chat_model):
         assert not core._tokens_sent  # nothing kept for finished requests
     finally:
         core.shutdown()
+
+
+def test_a_step_crosses_as_plain_values_and_unfinished_outputs_without_metrics():
+    """A pickled CoreStep (the driver's results to the replica) keeps every output's fields;
+    a finished output keeps its metrics, an unfinished one crosses without them (an empty
+    RequestMetrics arrives), so that what a step costs to pickle does not grow with the
+    requests' histories."""
+    def step(history: int) -> CoreStep:
+        metrics = RequestMetrics(prompt_tokens=9, verifications=history, accepted=3,
+                                 gamma_history=[7] * history, arrival_time=1.5)
+        running = RequestOutput("a", [1, 2], [3, 4], "", False, None, metrics)
+        done = RequestOutput("b", [], [5], "text", True, "length", metrics, error=None)
+        return CoreStep([running, done], {"c": ValueError("bad")}, True, {"steps": 4}, None)
+
+    sent = step(history=40)
+    got = pickle.loads(pickle.dumps(sent))
+    assert isinstance(got, CoreStep) and (got.busy, got.stats, got.error) == (True, {"steps": 4},
+                                                                             None)
+    assert isinstance(got.rejected["c"], ValueError)
+    for mine, theirs in zip(sent.outputs, got.outputs, strict=True):
+        assert isinstance(theirs, RequestOutput)
+        assert (theirs.request_id, theirs.prompt_token_ids, theirs.token_ids, theirs.text,
+                theirs.finished, theirs.finish_reason, theirs.error) == (
+            mine.request_id, mine.prompt_token_ids, mine.token_ids, mine.text, mine.finished,
+            mine.finish_reason, mine.error)  # fmt: skip
+    assert got.outputs[1].metrics == sent.outputs[1].metrics  # finished: all of them
+    assert got.outputs[0].metrics == RequestMetrics()  # unfinished: none
+    # the unfinished output's history does not cross: its bytes grow with the finished one's
+    grows = len(pickle.dumps(step(history=1000))) - len(pickle.dumps(step(history=0)))
+    finished_only = len(pickle.dumps(step(history=1000).outputs[1].metrics)) - len(
+        pickle.dumps(step(history=0).outputs[1].metrics))
+    assert grows <= finished_only + 16
 
 
 def test_the_driver_steps_on_without_being_called(tiny_chat_model):
