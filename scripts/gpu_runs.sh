@@ -30,6 +30,10 @@
 #      as qwen3-8b (random weights), 1.5b (the staged Qwen2.5-Coder-1.5B) or a model path)
 #   bash scripts/gpu_runs.sh serve-tp2 SPEC_MODE [PROMPTS] [PROMPT_TOKENS]   (tp2.yaml, the 1.5B)
 #   bash scripts/gpu_runs.sh pytest ARGS...
+# flashinfer (scripts/bench_flashinfer.py, issue 14 item 5; its JIT builds need nvcc there, which
+# `bundle` reports):
+#   bash scripts/gpu_runs.sh prepare-fi        # here: .stage/fi (~21 MB, flashinfer 0.6.18.post1)
+#   bash scripts/gpu_runs.sh flashinfer [PARTS] [EXTRA...]   # carry .stage/fi; after `bundle`
 set -uo pipefail
 SITE=/tmp/site
 MODELS=/tmp/models
@@ -71,7 +75,22 @@ print(r('qwen2.5-coder-1.5b-instruct'))")" r 52000000
   bundle)
     bash .stage/bundle/install.sh "$SITE" > /dev/null && rm -rf "$SITE"/aspire_ray "$SITE"/aspire_ray-*
     python3 -c "import ray, gguf, pydantic, fastapi; print('bundle ok: ray', ray.__version__)"
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    echo "nvcc: $(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null || echo none)" ;;
+  prepare-fi)  # here: flashinfer and what it needs, a bundle of its own (one carried folder)
+    py="${PYTHON:-.venv/bin/python}"; rm -rf .stage/fi
+    "$py" scripts/offline_bundle.py --out .stage/fi --flashinfer-only --chunk-mb 60 | tail -1 ;;
+  flashinfer)  # there, after `bundle`: install .stage/fi, then bench_flashinfer's PARTS
+    bash .stage/fi/install.sh "$SITE" > /dev/null || exit 1
+    nvcc="$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)"
+    [ -n "$nvcc" ] && export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}"
+    echo "flashinfer $(python3 -c 'import flashinfer; print(flashinfer.__version__)'), nvcc ${nvcc:-none}"
+    parts="${1:-decode,verify,mixed,sampling}"; shift $(( $# < 1 ? $# : 1 ))
+    # its JIT builds: Hopper kernels only, 16 compile jobs, the ninja the bundle installed
+    export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}"
+    export PATH="$SITE/bin:$PATH"
+    run_logged flashinfer python3 scripts/bench_flashinfer.py --parts "$parts" \
+      --out "$OUT/bench_flashinfer.json" "$@" ;;
   chunk)  # the carried .stage/qNN, sNN or rNN folders, each holding its chunk
     mkdir -p "$MODELS" && for d in .stage/[qsr][0-9][0-9]; do
       [ -f "$d/$(basename "$d")" ] && mv "$d/$(basename "$d")" "$MODELS/"; done

