@@ -34,6 +34,11 @@
 # `bundle` reports):
 #   bash scripts/gpu_runs.sh prepare-fi        # here: .stage/fi (~21 MB, flashinfer 0.6.18.post1)
 #   bash scripts/gpu_runs.sh flashinfer [PARTS] [EXTRA...]   # carry .stage/fi; after `bundle`
+# Triton's compiled kernels across machines (a fresh machine compiles for ~60 s before its first
+# run; the cache key holds Triton's version and the GPU's arch, so a stale file only misses):
+#   bash scripts/gpu_runs.sh triton-save       # there, after a run: $OUT/triton_cache.tgz
+#   (here: mkdir -p .stage/triton && cp <files_at>/triton_cache.tgz .stage/triton/)
+#   bash scripts/gpu_runs.sh triton-load       # there, carry .stage/triton, before the runs
 set -uo pipefail
 SITE=/tmp/site
 MODELS=/tmp/models
@@ -191,6 +196,11 @@ PY
       --model "$QWEN15" --device cuda --dtype bfloat16 --spec-mode "$1" \
       --num-prompts "${2:-64}" --prompt-tokens "${3:-16000}" --max-tokens 128 \
       --concurrency "${2:-64}" --out "$OUT/serve-tp2.json" ;;
+  triton-save)  # one file back (at most 16 MiB comes back)
+    tar -C "$HOME/.triton" -czf "$OUT/triton_cache.tgz" cache && ls -la "$OUT/triton_cache.tgz" ;;
+  triton-load)
+    mkdir -p "$HOME/.triton" && tar -C "$HOME/.triton" -xzf .stage/triton/triton_cache.tgz &&
+      echo "triton cache: $(ls "$HOME/.triton/cache" | wc -l) entries" ;;
   pytest)
     run_logged pytest python3 -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
