@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         import flashinfer
     except ImportError as e:
         sys.exit(f"bench_flashinfer needs flashinfer-python ({e}): install it (pip, or "
-                 "scripts/offline_bundle.py --flashinfer) and run with "
+                 "scripts/offline_bundle.py --flashinfer-only on a host without network: "
+                 "scripts/gpu_runs.sh prepare-fi / flashinfer) and run with "
                  "FLASHINFER_CUDA_ARCH_LIST=9.0a")  # fmt: skip
     timer = Timer(a.reps)
     props = torch.cuda.get_device_properties(0)
