@@ -83,6 +83,22 @@ def dot_two(x_rows, m_ok, w_a, w_b, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def dot_one(x_rows, m_ok, w_cols, n_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """x_rows [BM, 1] row pointers times w_cols [1, BN] weight-row pointers over K, in BLOCK_K
+    chunks in one fixed order -> [BLOCK_M, BLOCK_N] float32 (``dot_two``: two products)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
+    return acc
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,17 +108,10 @@ def _linear_kernel(
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + rn[None, :] * stride_wn  # [1, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
+    acc = dot_one(x_rows, m_ok, w_cols, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from bench_floor import copy_bandwidth
 
-from aspire_ray.kernels.linear import dot_precision, invariant_config
+from aspire_ray.kernels.linear import dot_one, dot_precision, invariant_config
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 VARIANTS = {"plain": 0, "pdl": 1, "prefetch": 2}
@@ -75,17 +75,9 @@ def _chain_linear_kernel(
         tl.extra.cuda.gdc_wait()
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    w_cols = w_ptr + rn[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    acc = dot_one(x_ptr + rm[:, None] * stride_xm, m_ok, w_ptr + rn[None, :] * stride_wn, n_ok,
+                  K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # kernels/linear.py's K loop
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

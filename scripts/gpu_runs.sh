@@ -34,8 +34,9 @@
 # `bundle` reports):
 #   bash scripts/gpu_runs.sh prepare-fi        # here: .stage/fi (~21 MB, flashinfer 0.6.18.post1)
 #   bash scripts/gpu_runs.sh flashinfer [PARTS] [EXTRA...]   # carry .stage/fi; after `bundle`
-# Triton's compiled kernels across machines (a fresh machine compiles for ~60 s before its first
-# run; the cache key holds Triton's version and the GPU's arch, so a stale file only misses):
+# Triton's compiled kernels across machines (a fresh machine compiles every kernel at its first
+# run, time not yet measured apart; the cache key holds Triton's version and the GPU's arch, so
+# a stale file only misses; not yet tried on the device):
 #   bash scripts/gpu_runs.sh triton-save       # there, after a run: $OUT/triton_cache.tgz
 #   (here: mkdir -p .stage/triton && cp <files_at>/triton_cache.tgz .stage/triton/)
 #   bash scripts/gpu_runs.sh triton-load       # there, carry .stage/triton, before the runs
