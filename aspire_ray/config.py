@@ -147,11 +147,13 @@ class SpecConfig:
     # slots hold draft rows only. A step mixing verify rows (the whole KV, every query in the
     # widest tile) with draft rows cost more than the two apart: on real Qwen2.5-Coder-0.5B at
     # 32k, batch 64, every request at gamma 8 in phase ran 3.05 ms a step where `aspire`'s
-    # scattered verifications ran 3.60 (docs/benchmarks.md §8.28). 4 by default: on the real
-    # model at 32k on an H100, slots every 4 steps gave `aspire` 0.941x aspire_fixed/g8 where
-    # none gave 0.867x (§8.39; every 9 steps, one query tile in phase, 0.967x in one run, which
-    # the simulator does not confirm). 1: no slots.
-    verify_quantum: int = 4
+    # scattered verifications ran 3.60 (docs/benchmarks.md §8.28). 2 by default: on the real
+    # Qwen2.5-Coder-0.5B at 32k x 64 on an H100, slots every 2 / 3 / 4 steps gave `aspire`
+    # 0.970x / 0.951x / 0.930x aspire_fixed/g8 in one run, and SmolLM2 at 8k 1.005x / 0.985x /
+    # 0.982x (§8.42), as the simulator predicted (§8.41: in phase Q = 2 allows 1, 3, 5, 7, ...
+    # drafts, closer to each request's choice than Q = 4's 3, 7, 11); no slots gave 0.867x
+    # (§8.39). 1: no slots.
+    verify_quantum: int = 2
     fsm_min: int = 1
     fsm_max: int = 16
     # aspire: a request whose target draft length stayed 0 for this many verifications drafts

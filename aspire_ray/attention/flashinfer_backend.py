@@ -18,6 +18,10 @@ verify and prefill rows alike):
   ``m + log2(sum(exp2(s * scale * log2(e) - m)))`` (csrc prefill.cuh, hopper
   attention_updater.cuh), i.e. log2(e) times the natural lse; it is scaled by ln(2) here.
 
+The wrapper runs flashinfer's FA2 kernels (``BACKEND``): rows of 1 to 9 queries over pages of
+16 tokens are decode-shaped, and the Hopper (FA3) path that "auto" picks is built for long
+query tiles.
+
 Plans: ``plan`` copies the step's metadata to the device and schedules the work; it is built once
 per (metadata, head shape, dtype, scale) and shared by every layer of the step. A plan lives in
 a wrapper (the wrapper holds it, not the metadata), so the backend keeps a small ring of
@@ -41,6 +45,7 @@ from .triton_backend import TritonBackend
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-KV partials)
 NUM_WRAPPERS = 4  # plans alive at once; a step needs at most three
+BACKEND = "fa2"  # flashinfer's prefill kernels for every row (see the module doc)
 _LN2 = math.log(2.0)
 
 
@@ -149,8 +154,11 @@ class FlashInferBackend(TritonBackend):
         i = self._next
         self._next = (i + 1) % NUM_WRAPPERS
         if i == len(self._wrappers):
-            # every wrapper shares the float workspace: runs are ordered on one stream
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            # every wrapper shares the float workspace: runs are ordered on one stream. fa2, not
+            # "auto": on an H100 auto's Hopper kernel took 6-8x fa2's time on decode, verify and
+            # mixed rows over pages of 16 (docs/benchmarks.md §8.43)
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                     backend=BACKEND)
             self._wrappers.append(_Wrapper(wrapper))
         return self._wrappers[i]
 
