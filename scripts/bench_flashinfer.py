@@ -15,7 +15,9 @@ A wrapper that rejects the shape is listed with its error (flashinfer's CUDA-cor
 GQA group 7 kernel). Plans are made once, outside the timing, as an engine does once per step.
 
 Sampling (vocab 151,936, batch 64, gamma 5, temperature / top-k / top-p per row), ours
-(``worker/sampler.py``, ``worker/rejection_sampler.py``) against ``flashinfer.sampling``:
+(``worker/sampler.py``, ``worker/rejection_sampler.py``: on a GPU the Triton kernels of
+``kernels/sampling.py``; their torch references beside them for draw and filter) against
+``flashinfer.sampling``:
 - draw: filter + sample from logits (ours: ``probs_from_logits`` + ``sample_from_probs``;
   flashinfer: ``softmax`` + ``top_k_top_p_sampling_from_probs``, or
   ``top_k_top_p_sampling_from_logits``); check: share of draws inside our filtered support;
@@ -54,6 +56,7 @@ from bench_kernels import Timer, copy_bandwidth
 
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import Stream
+from aspire_ray.worker import sampler
 from aspire_ray.worker.rejection_sampler import SampledVerify, verify_sampled_batch
 from aspire_ray.worker.sampler import probs_from_logits, sample_from_probs
 
@@ -239,7 +242,7 @@ def summary(entries: list[dict]) -> list[dict]:
     out = []
     for part, case in dict.fromkeys((e["part"], e["case"]) for e in entries):
         ran = [e for e in entries if (e["part"], e["case"]) == (part, case) and "ms" in e]
-        ours, theirs = ran[0], [e for e in ran if e["kernel"] != "ours"]
+        ours, theirs = ran[0], [e for e in ran if e["kernel"].startswith("fi ")]
         if ours["kernel"] == "ours" and theirs:
             best = min(theirs, key=lambda e: e["ms"])
             ratio = best["ms"] / ours["ms"]
@@ -363,6 +366,8 @@ def bench_sampling(a, timer, copy_gbps: float) -> list[Case]:
     name = f"B{b} V{v} gamma{g}"
     seeds = torch.arange(b, dtype=torch.int64, device="cuda")
     filt = partial(probs_from_logits, s.logits, s.temperature, s.top_k, s.top_p, True, True)
+    filt_ref = partial(sampler.probs_from_logits_ref, s.logits, s.temperature, s.top_k, s.top_p,
+                       True, True)  # fmt: skip
     ref = filt()
     in_support = lambda t: ("in support", (ref[seeds, t.long()] > 0).float().mean().item())
     diff = lambda p: ("max abs diff", (p - ref).abs().max().item())
@@ -370,6 +375,8 @@ def bench_sampling(a, timer, copy_gbps: float) -> list[Case]:
     # draw: filter + sample from logits, per-row temperature / top-k / top-p
     draw = Case("sampling draw", name, tensor_bytes(s.logits), copy_gbps, timer)
     draw.add("ours", lambda: sample_from_probs(filt(), seeds, seeds, Stream.TARGET), in_support)
+    draw.add("ours, torch reference",
+             lambda: sampler.race_ref(filt_ref(), seeds, seeds, Stream.TARGET), in_support)
     softmax = lambda: fs.softmax(s.logits, s.temperature)
     k32 = s.top_k.to(torch.int32)  # flashinfer's index type: no conversion inside the timing
     draw.add(
@@ -382,6 +389,7 @@ def bench_sampling(a, timer, copy_gbps: float) -> list[Case]:
     # filter: the distribution q a draft is drawn from, which its acceptance test needs
     filt_case = Case("sampling filter", name, tensor_bytes(s.logits), copy_gbps, timer)
     filt_case.add("ours", filt, diff)
+    filt_case.add("ours, torch reference", filt_ref, diff)
     filt_case.add("fi softmax + top_k_renorm + top_p_renorm", lambda: fs.top_p_renorm_probs(
         fs.top_k_renorm_probs(softmax(), k32), s.top_p), diff)  # fmt: skip
     # accept: speculative rejection sampling of every row's drafts, down to host tokens

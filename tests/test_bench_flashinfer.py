@@ -159,5 +159,5 @@ def test_small_run_on_gpu(bf, tmp_path):
         assert fi, f"no flashinfer kernel ran the {part} rows"
         assert max(e["check_value"] for e in fi) < 2e-2  # bf16 outputs agree with ours
     draws = [e for e in ran if e["part"] == "sampling draw"]
-    assert len(draws) == 3 and all(e["check_value"] == 1.0 for e in draws)
+    assert len(draws) == 4 and all(e["check_value"] == 1.0 for e in draws)
     assert {s["part"] for s in r["summary"]} >= {"decode", "verify", "mixed", "sampling accept"}

@@ -12,7 +12,7 @@ import torch
 
 from aspire_ray.plan import Stream
 
-from .sampler import i64, sample_from_probs, uniform
+from .sampler import i64, sample_from_probs, sample_residual, uniform
 
 
 def verify_greedy(target: list[int], drafts: list[int]) -> tuple[int, list[int]]:
@@ -50,10 +50,10 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts
     else:
         accepted = 0
     if accepted < d:
-        # resample from the residual max(p - q, 0), normalised
-        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0).double()
-        total = residual.sum()
-        dist = residual / total if total > 0 else target_probs[accepted].double()
+        # resample from the residual max(p - q, 0) (the race needs no normalising), or from p
+        # where that is all zero
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+        dist = residual if bool((residual > 0).any()) else target_probs[accepted]
         token = sample_from_probs(dist[None], seeds[accepted : accepted + 1],
                                   positions[accepted : accepted + 1], Stream.RESIDUAL)
     else:
@@ -102,14 +102,11 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
         accepted = accepted.scatter_reduce(0, of, rejected_at, reduce="amin")
     residual_rows = accepted < d
     p_at = target_probs[logit + accepted]  # [R, V]: p_a, where the row's draw comes from
-    dist = p_at.double()
-    if first[-1]:  # rows with a rejection: the residual max(p - q, 0), normalised
-        q_at = draft_probs[(i64(first[:-1], device) + accepted).clamp(max=first[-1] - 1)]
-        residual = (p_at - q_at).clamp_min(0).double()
-        total = residual.sum(dim=-1, keepdim=True)
-        dist_res = torch.where(total > 0, residual / total.clamp_min(1e-300), dist)
-        dist = torch.where(residual_rows[:, None], dist_res, dist)
     stream = torch.where(residual_rows, int(Stream.RESIDUAL), int(Stream.TARGET))
-    final = sample_from_probs(dist, seeds, pos0 + accepted, stream)
+    if first[-1]:  # rows with a rejection: the residual max(p - q, 0)
+        q_at = draft_probs[(i64(first[:-1], device) + accepted).clamp(max=first[-1] - 1)]
+        final = sample_residual(p_at, q_at, residual_rows, seeds, pos0 + accepted, stream)
+    else:
+        final = sample_from_probs(p_at, seeds, pos0 + accepted, stream)
     counts, tokens = torch.stack([accepted, final]).tolist()  # the one device sync
     return [(a, row.drafts[:a] + [t]) for a, t, row in zip(counts, tokens, rows, strict=True)]

@@ -53,9 +53,36 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Te
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                       stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """probs [N, V] (rows sum to 1) -> token ids [N] int64, by the exponential race."""
-    expo = -torch.log(uniform(seeds, positions, stream, probs.shape[1]))
-    return torch.argmax(probs.double() / expo, dim=-1)
+    """probs [N, V] (rows of non-negative weights; their sums need not be 1) -> token ids [N]
+    int64, by the exponential race. On a GPU: ``kernels.sampling.race_rows``, the same draws
+    in one pass over the rows."""
+    if probs.is_cuda:
+        from aspire_ray.kernels.sampling import race_rows
+
+        return race_rows(probs, row_keys(seeds, positions, stream))
+    return race_ref(probs, seeds, positions, stream)
+
+
+def sample_residual(p: torch.Tensor, q: torch.Tensor, use_q: torch.Tensor,
+                    seeds: torch.Tensor, positions: torch.Tensor,
+                    stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The draws of speculative rejection sampling's last token: rows where use_q [N] holds
+    (a rejected draft) from the residual max(p - q, 0) (from p where the residual is all zero:
+    q >= p everywhere), the others from p. p, q [N, V] float32; -> int64 [N]."""
+    if p.is_cuda:
+        from aspire_ray.kernels.sampling import race_rows
+
+        return race_rows(p, row_keys(seeds, positions, stream), q, use_q)
+    residual = (p - q).clamp_min(0)  # subtracted in p's dtype, as the kernel subtracts
+    use = use_q & (residual > 0).any(dim=-1)
+    return race_ref(torch.where(use[:, None], residual, p), seeds, positions, stream)
+
+
+def race_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+              stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The exponential race in torch: argmax_v w_v / E_v over float64 [N, V] temporaries."""
+    expo = -torch.log(uniform(seeds, positions, stream, weights.shape[1]))
+    return torch.argmax(weights.double() / expo, dim=-1)
 
 
 def need_flags(specs) -> tuple[bool, bool]:
@@ -70,25 +97,44 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     """logits [N, V] float32; temperature/top_p [N] float32; top_k [N] int64 (0: off).
 
     Returns the float32 distribution the request samples from: softmax(logits / T) restricted
-    to the top-k tokens and to the smallest set of top tokens whose mass reaches top_p.
+    to the top-k tokens, then to the top tokens holding top_p of that mass. Both cuts are
+    thresholds, so tokens tied with the last one kept are kept too: a token stays if fewer than
+    top_k tokens are larger, and if the tokens larger than it hold less than top_p of the
+    top-k mass (the top token always stays).
     need_k / need_p: whether any row has top_k > 0 / top_p < 1, if the caller knows
     (``need_flags``; None: read from the tensors, a device sync each; CUDA graphs pass them).
+    On a GPU: ``kernels.sampling.filter_probs``, a row a program with no sort.
     """
-    logits = logits / temperature[:, None]
     need_k = bool((top_k > 0).any()) if need_k is None else need_k
     need_p = bool((top_p < 1.0).any()) if need_p is None else need_p
+    if logits.is_cuda:
+        from aspire_ray.kernels.sampling import filter_probs
+
+        return filter_probs(logits, temperature, top_k, top_p, need_k, need_p)
+    return probs_from_logits_ref(logits, temperature, top_k, top_p, need_k, need_p)
+
+
+def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor,
+                          top_k: torch.Tensor, top_p: torch.Tensor, need_k: bool,
+                          need_p: bool) -> torch.Tensor:  # fmt: skip
+    """``probs_from_logits`` in torch, by a sort of each row (the kernel's reference)."""
+    scaled = logits / temperature[:, None]
+    e = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))  # [N, V] in (0, 1]
     if need_k or need_p:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        vocab = logits.shape[1]
-        rank = torch.arange(vocab, device=logits.device)[None, :]
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        vocab = e.shape[1]
+        desc = torch.sort(e, dim=-1, descending=True).values
+        floor = torch.zeros_like(e[:, :1])  # [N, 1]: keep e >= floor
         if need_k:
-            k = torch.where(top_k > 0, top_k, vocab)[:, None]
-            drop |= rank >= k
+            cut = ((top_k > 0) & (top_k < vocab))[:, None]
+            kth = desc.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])  # the k-th largest
+            floor = torch.where(cut, kth, floor)
         if need_p:
-            sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            drop |= mass_before >= top_p[:, None]  # keeps at least the top token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return torch.softmax(logits, dim=-1)
+            kept = desc * (desc >= floor)
+            goal = top_p[:, None] * kept.sum(dim=-1, keepdim=True)
+            # the sorted prefix whose mass before each token is below the goal; its last value
+            # (at least the top token: a graph's unused padding rows may hold NaN)
+            n = ((torch.cumsum(kept, dim=-1) - kept) < goal).sum(dim=-1, keepdim=True)
+            top_p_floor = torch.maximum(desc.gather(1, (n - 1).clamp_min(0)), floor)
+            floor = torch.where((top_p < 1.0)[:, None], top_p_floor, floor)
+        e = torch.where(e >= floor, e, 0.0)
+    return e / e.sum(dim=-1, keepdim=True)

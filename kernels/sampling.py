@@ -1,0 +1,378 @@
+"""Triton sampling kernels: the exponential race and the top-k / top-p filter, one row of the
+vocabulary at a time, without the [rows, vocab] int64 and float64 temporaries of the torch
+references in ``aspire_ray/worker/sampler.py`` (whose meaning they keep).
+
+race_rows: token = argmax_v w_v / E_v, E_v = -log(u_v), u_v the counter-based uniform of
+    ``sampler.uniform`` (the same 32-bit hash, in uint32 where the reference masks int64;
+    float64 for u, E and the ratio as there), so a row's draw is the reference's draw. With
+    ``minus`` the weights are the residual max(w - minus, 0) of a rejected draft (rows where
+    ``use_minus`` is set), falling back to w where the residual is all zero
+    (``verify_sampled_batch``'s meaning).
+    Shapes: w, minus [N, V] float32 / float64, last dim contiguous; keys int64 [N]
+    (``sampler.row_keys``); use_minus bool [N]; out int64 [N].
+    Stage 1 cuts every row into BLOCK-wide chunks (N x V / BLOCK programs over every SM), each
+    writing its chunk's largest ratio and the first index of it; stage 2 keeps, per row, the
+    largest (the first chunk on a tie): the first index of the row's largest ratio, as
+    ``torch.argmax``.
+
+filter_probs: softmax(x / T) restricted to the tokens kept by top-k, then by top-p (thresholds,
+    ties kept: ``sampler.probs_from_logits_ref``): the row's max, then
+    e = exp(x / T - max) written to ``out`` and re-read by two searches over float32 bit
+    patterns (e >= 0, so bit order is value order): the k-th largest e (the largest t with
+    #{e >= t} >= k) and the top-p floor (the smallest t with sum{e > t, e kept by top-k} below
+    top_p times the top-k mass). A search pass tries SEARCH_WAYS thresholds at once: 10
+    passes over the row a search instead of bisection's 30; rows without top-k / top-p skip
+    their reads. Every row is cut into chunks over every SM (see "the filter" below).
+    Shapes: x [N, V] float32 / bf16, last dim contiguous; temperature, top_p float32 [N];
+    top_k int64 [N] (0: off); out float32 [N, V].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RACE_BLOCK = 2048  # ratios a stage-1 program compares: 75 chunks a row of Qwen2.5's 151,936
+ONE = 0x3F800000  # float32 1.0's bits: e = exp(x - max) <= 1
+ONE_BITS = tl.constexpr(ONE)
+
+
+@triton.jit
+def _mix32(x):
+    """``sampler._mix32`` on uint32 values (its int64 products taken mod 2^32 are the uint32
+    products, which wrap natively)."""
+    x = x ^ (x >> 16)
+    x = x * 0x45D9F3B
+    x = x ^ (x >> 16)
+    x = x * 0x45D9F3B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, key_ptr, val_ptr, idx_ptr, V, stride_w, stride_m,
+                       n_chunks, HAS_MINUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    w = tl.load(w_ptr + t * stride_w + cols, mask=ok, other=0.0)
+    # the noise of sampler.uniform for (row key, column)
+    key = tl.load(key_ptr + t).to(tl.uint32)  # < 2^32
+    a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
+    b = _mix32(a ^ 0x68E31DA4)
+    bits = (a >> 5).to(tl.int64) * 67108864 + (b >> 6).to(tl.int64)  # 53 random bits
+    u = (bits.to(tl.float64) + 0.5) / 9007199254740992.0
+    expo = -tl.log(u)
+    ratio = tl.where(ok, w.to(tl.float64) / expo, -1.0)
+    best = tl.max(ratio, 0)
+    at = t * (2 if HAS_MINUS else 1) * n_chunks + c  # [N, lanes, n_chunks]: lane 0 races w
+    tl.store(val_ptr + at, best)
+    tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+    if HAS_MINUS:  # the residual's race, beside w's (the fallback), on the same noise
+        m = tl.load(m_ptr + t * stride_m + cols, mask=ok, other=0.0)
+        # in the inputs' dtype, as the reference subtracts; rows without use_minus race w
+        res = tl.where(tl.load(use_ptr + t) != 0, tl.maximum(w - m, 0.0), w)
+        ratio = tl.where(ok, res.to(tl.float64) / expo, -1.0)
+        best = tl.max(ratio, 0)
+        at += n_chunks  # lane 1: the residual's
+        tl.store(val_ptr + at, best)
+        tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+
+
+@triton.jit
+def _race_row_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, HAS_MINUS: tl.constexpr,
+                     CHUNKS: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    ok = c < n_chunks
+    base = t * (2 if HAS_MINUS else 1) * n_chunks
+    val = tl.load(val_ptr + base + c, mask=ok, other=-2.0)
+    idx = tl.load(idx_ptr + base + c, mask=ok, other=2147483647)
+    best = tl.max(val, 0)
+    # chunks are in column order: the smallest index among the largest is the row's first
+    token = tl.min(tl.where((val == best) & ok, idx, 2147483647), 0)
+    if HAS_MINUS:
+        rval = tl.load(val_ptr + base + n_chunks + c, mask=ok, other=-2.0)
+        ridx = tl.load(idx_ptr + base + n_chunks + c, mask=ok, other=2147483647)
+        rbest = tl.max(rval, 0)
+        rtoken = tl.min(tl.where((rval == rbest) & ok, ridx, 2147483647), 0)
+        token = tl.where(rbest > 0.0, rtoken, token)  # an all-zero residual: w's draw
+    tl.store(out_ptr + t, token.to(tl.int64))
+
+
+def _check_rows(name: str, x: torch.Tensor, rows: int | None = None) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or (rows is not None and x.shape[0] != rows):
+        raise ValueError(f"{name} must be [N, V] with a contiguous last dim, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    if not 0 < x.shape[1] < 2**31:
+        raise ValueError(f"need 0 < V < 2**31 columns, got {x.shape[1]}")
+
+
+def race_rows(w: torch.Tensor, keys: torch.Tensor, minus: torch.Tensor | None = None,
+              use_minus: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """w [N, V] (float32 / float64, rows of non-negative weights), keys int64 [N] -> int64 [N]:
+    each row's exponential-race draw; with minus [N, V] and use_minus bool [N], rows where
+    use_minus holds race the residual max(w - minus, 0) (w where it is all zero)."""
+    _check_rows("w", w)
+    n, v = w.shape
+    if keys.shape != (n,) or keys.dtype != torch.int64:
+        raise ValueError(f"keys must be int64 [{n}], got {keys.dtype} {tuple(keys.shape)}")
+    has_minus = minus is not None
+    if has_minus:
+        _check_rows("minus", minus, n)
+        if minus.shape != w.shape or minus.dtype != w.dtype:
+            raise ValueError(f"minus must match w ({w.dtype} {tuple(w.shape)}), got "
+                             f"{minus.dtype} {tuple(minus.shape)}")  # fmt: skip
+        if use_minus is None or use_minus.shape != (n,):
+            raise ValueError(f"use_minus must be bool [{n}] with minus")
+    out = torch.empty(n, dtype=torch.int64, device=w.device)
+    if n == 0:
+        return out
+    n_chunks = triton.cdiv(v, RACE_BLOCK)
+    lanes = 2 if has_minus else 1
+    val = torch.empty(n, lanes, n_chunks, dtype=torch.float64, device=w.device)
+    idx = torch.empty(n, lanes, n_chunks, dtype=torch.int32, device=w.device)
+    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, keys)  # unread without
+    _race_chunk_kernel[(n, n_chunks)](w, m, use, keys, val, idx, v, w.stride(0), m.stride(0),
+                                      n_chunks, HAS_MINUS=has_minus, BLOCK=RACE_BLOCK,
+                                      num_warps=8)  # fmt: skip
+    _race_row_kernel[(n,)](val, idx, out, n_chunks, HAS_MINUS=has_minus,
+                           CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)  # fmt: skip
+    return out
+
+
+# ---- the filter ----------------------------------------------------------------------------
+# A row is cut into CHUNK-wide chunks, one program each (N x V / CHUNK programs over every SM).
+# A search keeps a bracket (lo, hi) of float32 bit patterns per row; each pass is one launch
+# whose programs count (or sum) their chunk's e against WAYS thresholds inside the bracket and
+# write them as partials; the next launch's programs each narrow the bracket from those
+# partials alone (all of a row's programs compute the same bracket; its chunk 0 stores it for
+# the launch after). A fixed number of passes (passes: (WAYS + 1)^passes > 2^30 patterns in
+# [0, 1]) keeps the launches a CUDA graph can capture; a row whose bracket has closed skips
+# its reads.
+COUNT, MASS, NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _mids(lo, hi, WAYS: tl.constexpr):
+    """WAYS bit patterns spread evenly inside the bracket (lo, hi), hi - lo >= 2: the largest
+    is above lo, so every pass narrows it; none at or below lo (lo may be -1, a NaN)."""
+    i = tl.arange(0, WAYS).to(tl.int64) + 1
+    mids = (lo.to(tl.int64) + (hi - lo).to(tl.int64) * i // (WAYS + 1)).to(tl.int32)
+    return tl.maximum(mids, lo + 1)
+
+
+@triton.jit
+def _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, s, MODE: tl.constexpr,
+             WAYS: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """Row r's bracket before pass s: the bracket before pass s - 1 (state [passes + 1, N, 2]
+    int32) narrowed by that pass's partials (part [passes, N, n_chunks, WAYS]). COUNT keeps
+    #{e >= f(lo)} >= goal > #{e >= f(hi)}; MASS keeps mass(f(lo)) >= goal > mass(f(hi))."""
+    at = state_ptr + ((s - 1) * n_rows + r) * 2
+    lo, hi = tl.load(at), tl.load(at + 1)
+    if hi - lo > 1:
+        c = tl.arange(0, CHUNKS)
+        rows = ((s - 1) * n_rows + r) * n_chunks + c
+        got = tl.load(part_ptr + rows[:, None] * WAYS + tl.arange(0, WAYS)[None, :],
+                      mask=(c < n_chunks)[:, None], other=0)  # fmt: skip
+        got = tl.sum(got, 0)  # [WAYS], in chunk order: the same sum in every program
+        mids = _mids(lo, hi, WAYS)
+        below = got >= goal  # COUNT: lo may rise there; MASS: mass >= goal, lo may rise
+        lo = tl.max(tl.where(below, mids, lo), 0)
+        hi = tl.min(tl.where(below, hi, mids), 0)
+    return lo, hi
+
+
+@triton.jit
+def _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE: tl.constexpr,
+              WAYS: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """A search's result for row r after its passes: the k-th largest e (COUNT: f(lo)), or
+    the top-p floor (MASS: f(hi))."""
+    lo, hi = _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE, WAYS,
+                      CHUNKS)  # fmt: skip
+    return (lo if MODE == COUNT else hi).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kept_goal(kept_ptr, top_p, r, n_chunks, CHUNKS: tl.constexpr):
+    """top_p times row r's mass kept by top-k (kept [N, n_chunks] partials)."""
+    c = tl.arange(0, CHUNKS)
+    return top_p * tl.sum(tl.load(kept_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0), 0)
+
+
+@triton.jit
+def _exp_kernel(x_ptr, temp_ptr, top_ptr, out_ptr, V, stride_x, CHUNK: tl.constexpr):
+    """e = exp(x / T - max) into out (top: each row's max of x / T)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    x = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    scaled = tl.math.div_rn(x, tl.load(temp_ptr + r))
+    tl.store(out_ptr + r * V + cols, tl.exp(scaled - tl.load(top_ptr + r)), mask=ok)
+
+
+@triton.jit
+def _max_kernel(x_ptr, temp_ptr, part_ptr, V, stride_x, n_chunks, CHUNK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + r * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    tl.store(part_ptr + r * n_chunks + c, tl.max(tl.math.div_rn(x, tl.load(temp_ptr + r)), 0))
+
+
+@triton.jit
+def _pass_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, floor_ptr, V, n_rows, n_chunks,
+                 s, MODE: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """Pass s of a search: this chunk's #{e >= t} (COUNT) or sum{e > t, e >= floor} (MASS)
+    for the WAYS thresholds t inside row r's bracket. goal: COUNT's k [N] int64; MASS's top_p
+    [N] (times the kept mass, from kept [N, n_chunks]), floor [N] the top-k floor."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if MODE == COUNT:
+        goal = tl.load(goal_ptr + r).to(tl.int32)
+        floor = 0.0
+    else:
+        goal = _kept_goal(kept_ptr, tl.load(goal_ptr + r), r, n_chunks, CHUNKS)
+        floor = tl.load(floor_ptr + r)
+    if s == 0:
+        at = state_ptr + r * 2
+        lo, hi = tl.load(at), tl.load(at + 1)
+    else:
+        lo, hi = _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, s, MODE, WAYS,
+                          CHUNKS)  # fmt: skip
+        if c == 0:
+            at = state_ptr + (s * n_rows + r) * 2
+            tl.store(at, lo)
+            tl.store(at + 1, hi)
+    if hi - lo > 1:
+        thr = _mids(lo, hi, WAYS).to(tl.float32, bitcast=True)[None, :]
+        acc = tl.zeros((SUB, WAYS), tl.int32 if MODE == COUNT else tl.float32)
+        for u in tl.static_range(CHUNK // SUB):
+            cols = c * CHUNK + u * SUB + tl.arange(0, SUB)
+            e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)[:, None]
+            if MODE == COUNT:  # thr > 0: the masked zeros never count
+                acc += (e >= thr).to(tl.int32)
+            else:
+                e = tl.where(e >= floor, e, 0.0)
+                acc += tl.where(e > thr, e, 0.0)
+        out = part_ptr + ((s * n_rows + r) * n_chunks + c) * WAYS + tl.arange(0, WAYS)
+        tl.store(out, tl.sum(acc, 0))
+
+
+@triton.jit
+def _kept_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_in_ptr, floor_in_ptr, kept_ptr,
+                 floor_ptr, V, n_rows, n_chunks, passes, MODE: tl.constexpr,
+                 WAYS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """After a search's last pass (MODE COUNT or MASS; NONE: no search, floor_in kept): its
+    floor for row r, never below floor_in [N] (into floor [N], by chunk 0), and this chunk's
+    mass kept at it (into kept [N, n_chunks]). MASS reads the top-k mass from kept_in."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    floor = tl.load(floor_in_ptr + r)
+    if MODE == COUNT:
+        goal = tl.load(goal_ptr + r).to(tl.int32)
+        floor = _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE, WAYS,
+                          CHUNKS)  # fmt: skip
+    elif MODE == MASS:
+        goal = _kept_goal(kept_in_ptr, tl.load(goal_ptr + r), r, n_chunks, CHUNKS)
+        top_p_floor = _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE,
+                                WAYS, CHUNKS)  # fmt: skip
+        floor = tl.maximum(top_p_floor, floor)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
+    tl.store(kept_ptr + r * n_chunks + c, tl.sum(tl.where(e >= floor, e, 0.0), 0))
+    if c == 0:
+        tl.store(floor_ptr + r, floor)
+
+
+@triton.jit
+def _write_kernel(e_ptr, kept_ptr, floor_ptr, V, n_chunks, CHUNK: tl.constexpr,
+                  CHUNKS: tl.constexpr):  # fmt: skip
+    """e / (the kept mass) where e >= the row's floor, else 0, in place."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    z = tl.sum(tl.load(kept_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0), 0)
+    floor = tl.load(floor_ptr + r)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    e = tl.load(e_ptr + r * V + cols, mask=ok, other=0.0)
+    tl.store(e_ptr + r * V + cols, tl.where(e >= floor, tl.math.div_rn(e, z), 0.0), mask=ok)
+
+
+def _passes(ways: int) -> int:
+    """Passes that close a bracket of every float32 pattern in [0, 1], (WAYS + 1)x a pass."""
+    n, span = 0, ONE + 2
+    while span > 1:
+        span, n = -(-span // (ways + 1)), n + 1
+    return n
+
+
+SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass, 10 passes
+# (on an H100: 4 and 8 fastest, 8 at a draft step's 64 rows; docs/benchmarks.md §8.44)
+FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time)
+FILTER_SUB = 512
+
+
+def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, need_k: bool, need_p: bool,
+                 ways: int = SEARCH_WAYS) -> torch.Tensor:  # fmt: skip
+    """x [N, V] logits -> float32 [N, V]: softmax(x / T) over the tokens kept by top-k, then
+    top-p (ties kept); need_k / need_p: whether any row has top_k > 0 / top_p < 1 (without,
+    that search's launches are left out; a row without either skips its reads). ways: the
+    thresholds a pass tries (a power of 2; scripts/bench_sampling.py sweeps it)."""
+    _check_rows("x", x)
+    n, v = x.shape
+    expected = (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                ("top_p", top_p, torch.float32))  # fmt: skip
+    for name, t, dt in expected:
+        if t.shape != (n,) or t.dtype != dt:
+            raise ValueError(f"{name} must be {dt} [{n}], got {t.dtype} {tuple(t.shape)}")
+    dev = x.device
+    out = torch.empty(n, v, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out
+    passes = _passes(ways)
+    chunks = triton.cdiv(v, FILTER_CHUNK)
+    grid, CH = (n, chunks), triton.next_power_of_2(chunks)
+    maxes = torch.empty(n, chunks, dtype=torch.float32, device=dev)
+    _max_kernel[grid](x, temperature, maxes, v, x.stride(0), chunks, CHUNK=FILTER_CHUNK,
+                      num_warps=8)  # fmt: skip
+    _exp_kernel[grid](x, temperature, maxes.amax(dim=1), out, v, x.stride(0),
+                      CHUNK=FILTER_CHUNK, num_warps=8)  # fmt: skip
+    tiles = dict(WAYS=ways, CHUNKS=CH)
+    sub = dict(tiles, CHUNK=FILTER_CHUNK, SUB=FILTER_SUB, num_warps=8)
+    floor_k = torch.zeros(n, dtype=torch.float32, device=dev)
+    kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
+    state_k = torch.zeros(passes + 1, n, 2, dtype=torch.int32, device=dev)
+    part_k = torch.empty(passes, n, chunks, ways, dtype=torch.int32, device=dev)
+    zero = torch.zeros(n, dtype=torch.float32, device=dev)
+    if need_k:  # bracket [0, 1.0 + 1 ulp) where the row cuts, else closed at 0
+        cut = (top_k > 0) & (top_k < v)
+        state_k[0, :, 1] = torch.where(cut, ONE + 1, 1).to(torch.int32)
+        for s in range(passes):
+            _pass_kernel[grid](out, state_k, part_k, top_k, kept_k, floor_k, v, n, chunks, s,
+                               MODE=COUNT, **sub)  # fmt: skip
+    _kept_kernel[grid](out, state_k, part_k, top_k, kept_k, zero, kept_k, floor_k, v, n, chunks,
+                       passes, MODE=COUNT if need_k else NONE, CHUNK=FILTER_CHUNK,
+                       num_warps=8, **tiles)  # fmt: skip
+    if not need_p:
+        floor, kept = floor_k, kept_k
+    else:  # bracket (top-k's floor - 1 ulp, 1.0] where top_p < 1, else closed at the floor
+        floor = torch.empty_like(floor_k)
+        kept = torch.empty_like(kept_k)
+        bits = floor_k.view(torch.int32)
+        state_p = torch.empty(passes + 1, n, 2, dtype=torch.int32, device=dev)
+        state_p[0, :, 0] = bits - 1
+        state_p[0, :, 1] = torch.where(top_p < 1.0, ONE, bits)
+        part_p = torch.empty(passes, n, chunks, ways, dtype=torch.float32, device=dev)
+        for s in range(passes):
+            _pass_kernel[grid](out, state_p, part_p, top_p, kept_k, floor_k, v, n, chunks, s,
+                               MODE=MASS, **sub)  # fmt: skip
+        _kept_kernel[grid](out, state_p, part_p, top_p, kept_k, floor_k, kept, floor, v, n,
+                           chunks, passes, MODE=MASS, CHUNK=FILTER_CHUNK, num_warps=8,
+                           **tiles)  # fmt: skip
+    _write_kernel[grid](out, kept, floor, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=CH,
+                        num_warps=8)  # fmt: skip
+    return out

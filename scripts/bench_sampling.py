@@ -1,0 +1,112 @@
+"""The sampling kernels (``kernels/sampling.py``) against their torch references, on one GPU.
+
+For each row count (a draft step's batch, a verification's batch x (gamma + 1) rows), vocab
+151,936 (Qwen2.5), temperature 0.7, side by side in one run:
+- filter: ``probs_from_logits`` (Triton, no sort: ``filter_probs``'s searches) against
+  ``probs_from_logits_ref`` (torch sort), with top-k 20 and top-p 0.8, and top-p 0.8 alone,
+  for each search width ``--ways``;
+- draw: ``sample_from_probs`` (Triton race) against ``race_ref`` on the filtered rows, and the
+  race alone on unfiltered rows (every weight above 0: no chunk skipped);
+- the check: the same support, max abs difference of the probabilities, the same draws.
+Bytes each must move: the filter reads the logits and writes the probabilities (8 bytes a
+token), the race reads the probabilities (4); floor = bytes / the copy bandwidth of this run.
+Times are medians over ``--reps`` runs with CUDA events, L2 flushed before each; the filter's
+also as a CUDA graph replay (without the host's launches, as in the engine's draft graphs).
+
+    python scripts/bench_sampling.py --rows 64,384,576 --out bench_sampling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+from bench_kernels import Timer, copy_bandwidth
+
+from aspire_ray.kernels.sampling import filter_probs
+from aspire_ray.plan import Stream
+from aspire_ray.worker import sampler
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",")]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench_sampling.json")
+    p.add_argument("--rows", type=ints, default=[64, 384, 576])
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--ways", type=ints, default=[2, 4, 8, 16], help="filter search widths")
+    p.add_argument("--reps", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph: a replay times the GPU's work without the host's launches
+    (as in the engine's draft graphs)."""
+    fn()  # compiles its kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    timer = Timer(a.reps)
+    copy_gbps = copy_bandwidth(timer)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s")
+    results = []
+    for n in a.rows:
+        gen = torch.Generator().manual_seed(n)
+        logits = (3 * torch.randn(n, a.vocab, generator=gen)).cuda()
+        temp = torch.full((n,), a.temperature, device="cuda")
+        seeds = torch.arange(n, dtype=torch.int64, device="cuda")
+        floor_ms = lambda nbytes: nbytes / copy_gbps / 1e6
+        for label, k, need_k in (("top-k + top-p", a.top_k, True), ("top-p", 0, False)):
+            top_k = torch.full((n,), k, dtype=torch.int64, device="cuda")
+            top_p = torch.full((n,), a.top_p, device="cuda")
+            args = (logits, temp, top_k, top_p, need_k, True)
+            ref = sampler.probs_from_logits_ref(*args)
+            row = dict(rows=n, vocab=a.vocab, filter=label,
+                       filter_floor_ms=floor_ms(8 * n * a.vocab),
+                       filter_ref_ms=timer(partial(sampler.probs_from_logits_ref, *args)),
+                       filter_ways={}, filter_max_abs_diff=0.0)  # fmt: skip
+            for ways in a.ways:
+                run = partial(filter_probs, *args, ways=ways)
+                got = run()
+                assert torch.equal(got > 0, ref > 0), (n, label, ways)
+                row["filter_ways"][ways] = timer(run)
+                row["filter_max_abs_diff"] = max(row["filter_max_abs_diff"],
+                                                 (got - ref).abs().max().item())  # fmt: skip
+            row["filter_ms"] = timer(partial(sampler.probs_from_logits, *args))  # the default
+            row["filter_graph_ms"] = timer(_graphed(partial(sampler.probs_from_logits, *args)))
+            draw = partial(sampler.sample_from_probs, ref, seeds, seeds, Stream.TARGET)
+            draw_ref = partial(sampler.race_ref, ref, seeds, seeds, Stream.TARGET)
+            same = torch.equal(draw(), draw_ref())
+            row.update(race_ms=timer(draw), race_ref_ms=timer(draw_ref), race_same_draws=same,
+                       race_floor_ms=floor_ms(4 * n * a.vocab))  # fmt: skip
+            # every weight above 0 (no top-k / top-p): no chunk of the race can be skipped
+            full = torch.softmax(logits / a.temperature, dim=-1)
+            row["race_full_support_ms"] = timer(
+                partial(sampler.sample_from_probs, full, seeds, seeds, Stream.TARGET))
+            results.append(row)
+            ways_ms = " ".join(f"{w}:{ms:.3f}" for w, ms in row["filter_ways"].items())
+            print(f"rows {n:4d} {label:13s}: filter {row['filter_ms']:.3f} ms (graph "
+                  f"{row['filter_graph_ms']:.3f}; ways {ways_ms}) "
+                  f"(torch {row['filter_ref_ms']:.3f}; floor {row['filter_floor_ms']:.3f}), "
+                  f"race {row['race_ms']:.3f} ms "
+                  f"(torch {row['race_ref_ms']:.3f}; floor {row['race_floor_ms']:.3f}; "
+                  f"same draws {same}; full support {row['race_full_support_ms']:.3f})",
+                  flush=True)  # fmt: skip
+    with open(a.out, "w") as f:
+        json.dump(dict(device=props.name, torch=torch.__version__, copy_gbps=copy_gbps,
+                       args=vars(a), results=results), f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

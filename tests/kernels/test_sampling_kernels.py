@@ -1,0 +1,114 @@
+"""The Triton sampling kernels (``kernels.sampling``) against their torch references in
+``worker/sampler.py``: the exponential race draws the same token (its noise is the reference's,
+bit for bit), the residual race falls back to p where the residual is empty, and the top-k /
+top-p filter keeps the same tokens (ties at a cut kept) with the same probabilities."""
+
+import pytest
+import torch
+
+from aspire_ray.kernels.sampling import RACE_BLOCK, filter_probs, race_rows
+from aspire_ray.plan import Stream
+from aspire_ray.worker import sampler
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _keys(n: int, stream: int = Stream.TARGET) -> tuple[torch.Tensor, torch.Tensor]:
+    seeds = torch.arange(100, 100 + n, dtype=torch.int64)
+    return seeds, torch.arange(7, 7 + n, dtype=torch.int64) * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("v", [7, RACE_BLOCK, 2 * RACE_BLOCK + 333])
+def test_the_race_draws_the_references_tokens(dtype, v):
+    gen = torch.Generator().manual_seed(v)
+    n = 12
+    w = torch.softmax(3 * torch.randn(n, v, generator=gen), dim=-1).to(dtype)
+    w[1] = 0.0  # no weight anywhere: every ratio 0, the first column
+    w[2, : v // 2] = 0.0  # the mass in the row's later chunks
+    w[3] = 1.0 / v  # uniform
+    seeds, positions = _keys(n)
+    ref = sampler.race_ref(w, seeds, positions, Stream.DRAFT)
+    got = race_rows(w.to(DEVICE), sampler.row_keys(seeds, positions, Stream.DRAFT).to(DEVICE))
+    assert torch.equal(got.cpu(), ref)
+    assert ref[1] == 0
+
+
+def test_the_race_takes_a_stream_per_row_and_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    padded = torch.rand(6, 1000, generator=gen)
+    w = padded[:, :900]  # rows 1,000 apart, 900 columns
+    seeds, positions = _keys(6)
+    stream = torch.tensor([1, 2, 3, 1, 2, 3])
+    ref = sampler.race_ref(w, seeds, positions, stream)
+    got = race_rows(w.to(DEVICE), sampler.row_keys(seeds, positions, stream).to(DEVICE))
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_the_residual_race_and_its_fallback_match_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    n, v = 8, RACE_BLOCK + 100
+    p = torch.softmax(2 * torch.randn(n, v, generator=gen), dim=-1)
+    q = torch.softmax(torch.log(p) + 0.8 * torch.randn(n, v, generator=gen), dim=-1)
+    q[2] = p[2]  # q == p: the residual is all zero, the draw falls back to p
+    q[3] = p[3] * 2  # q >= p everywhere: again p
+    use = torch.tensor([True, True, True, True, False, False, True, False])
+    seeds, positions = _keys(n)
+    stream = torch.where(use, int(Stream.RESIDUAL), int(Stream.TARGET))
+    ref = sampler.sample_residual(p, q, use, seeds, positions, stream)
+    keys = sampler.row_keys(seeds, positions, stream).to(DEVICE)
+    got = race_rows(p.to(DEVICE), keys, q.to(DEVICE), use.to(DEVICE))
+    assert torch.equal(got.cpu(), ref)
+    plain = sampler.race_ref(p, seeds, positions, stream)  # rows that race p itself
+    assert torch.equal(ref[[2, 3, 4, 5, 7]], plain[[2, 3, 4, 5, 7]])
+    residual = (p - q).clamp_min(0)
+    assert (residual[[0, 1, 6]].gather(1, ref[[0, 1, 6], None]) > 0).all()
+
+
+def _filter_case(n: int, v: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = 4 * torch.randn(n, v, generator=gen)
+    logits[1, :40] = logits[1].max() + 1  # 40 tied top tokens: a top-k cut of 5 keeps all 40
+    logits[2, 10:20] = logits[2].max() + 1  # 10 tied at the top, the rest below
+    return logits
+
+
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("v", [300, 5000])
+def test_the_filter_keeps_the_references_tokens(need, v):
+    n = 8
+    logits = _filter_case(n, v, seed=v)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 1.0, 0.9, 1.0])
+    top_k = torch.tensor([0, 5, 3, 1, 50, v, v + 7, 20])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 0.99, 1.0, 1e-4])
+    need_k, need_p = need
+    ref = sampler.probs_from_logits_ref(logits, temperature, top_k, top_p, need_k, need_p)
+    got = filter_probs(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE),
+                       top_p.to(DEVICE), need_k, need_p).cpu()  # fmt: skip
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.sum(-1), torch.ones(n), rtol=1e-5, atol=0)
+    if need_k:
+        assert (ref[1] > 0).sum() == 40  # ties at the k-th value are kept
+        assert (ref[2] > 0).sum() <= 10 and (ref[3] > 0).sum() == 1
+    if need_p and not need_k:
+        assert (ref[7] > 0).sum() == 1  # top_p tiny: the top token alone
+
+
+def test_the_filter_reads_bf16_logits_and_rejects_bad_input():
+    logits = _filter_case(4, 700, seed=1).to(torch.bfloat16)
+    args = (torch.ones(4), torch.tensor([0, 3, 0, 9]), torch.tensor([0.8, 1.0, 1.0, 0.6]))
+    ref = sampler.probs_from_logits_ref(logits, *args, True, True)
+    got = filter_probs(logits.to(DEVICE), *(a.to(DEVICE) for a in args), True, True).cpu()
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="top_k must be"):
+        filter_probs(logits.to(DEVICE), *(a.to(DEVICE) for a in args[:1]),
+                     torch.zeros(4, dtype=torch.int32, device=DEVICE), args[2].to(DEVICE),
+                     True, True)  # fmt: skip
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        race_rows(torch.zeros(5, 3, device=DEVICE).t(), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="minus must match"):
+        race_rows(torch.zeros(2, 3, device=DEVICE), torch.zeros(2, dtype=torch.int64,
+                  device=DEVICE), torch.zeros(2, 4, device=DEVICE),
+                  torch.ones(2, dtype=torch.bool, device=DEVICE))  # fmt: skip

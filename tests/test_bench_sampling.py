@@ -1,0 +1,24 @@
+"""scripts/bench_sampling.py: one small run on a CUDA GPU (skipped elsewhere): the filter keeps
+the reference's tokens (the script asserts it), the race draws the reference's
+tokens, and the JSON holds a row per row count and filter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import scripts_imported
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_run_on_gpu(tmp_path):
+    out = tmp_path / "r.json"
+    with scripts_imported("bench_sampling") as (bench,):
+        bench.main(["--out", str(out), "--rows", "3,17", "--vocab", "5000", "--reps", "3"])
+    r = json.loads(out.read_text())
+    assert [(x["rows"], x["filter"]) for x in r["results"]] == [
+        (3, "top-k + top-p"), (3, "top-p"), (17, "top-k + top-p"), (17, "top-p")]
+    for x in r["results"]:
+        assert x["race_same_draws"] and x["filter_max_abs_diff"] < 1e-5
