@@ -8,8 +8,9 @@ race_rows: token = argmax_v w_v / E_v, E_v = -log(u_v), u_v the counter-based un
     ``minus`` the weights are the residual max(w - minus, 0) of a rejected draft (rows where
     ``use_minus`` is set), falling back to w where the residual is all zero
     (``verify_sampled_batch``'s meaning).
-    Shapes: w, minus [N, V] float32 / float64, last dim contiguous; keys int64 [N]
-    (``sampler.row_keys``); use_minus bool [N]; out int64 [N].
+    Shapes: w, minus [N, V] float32 / float64, last dim contiguous; seeds, positions int64
+    [N] and the stream (an int or int64 [N]), hashed to a row key in the kernel as
+    ``sampler.row_keys`` hashes them; use_minus bool [N]; out int64 [N].
     Stage 1 cuts every row into BLOCK-wide chunks (N x V / BLOCK programs over every SM), each
     writing its chunk's largest ratio and the first index of it; stage 2 keeps, per row, the
     largest (the first chunk on a tie): the first index of the row's largest ratio, as
@@ -50,15 +51,29 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, key_ptr, val_ptr, idx_ptr, V, stride_w, stride_m,
-                       n_chunks, HAS_MINUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.constexpr):
+    """``sampler.row_keys`` of row t: seed and position int64 [N] (seed >= 0), the stream one
+    for all rows or int64 [N]."""
+    seed = tl.load(seed_ptr + t)
+    if STREAM_PER_ROW:
+        stream = tl.load(stream_ptr + t)
+    k = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
+    k = _mix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    k = _mix32(k ^ (tl.load(pos_ptr + t) & 0xFFFFFFFF).to(tl.uint32))
+    return _mix32(k ^ ((stream.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit(do_not_specialize=["stream"])  # Stream.DRAFT is 1: a runtime int, not constexpr 1
+def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, stream, val_ptr,
+                       idx_ptr, V, stride_w, stride_m, n_chunks, STREAM_PER_ROW: tl.constexpr,
+                       HAS_MINUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
     w = tl.load(w_ptr + t * stride_w + cols, mask=ok, other=0.0)
     # the noise of sampler.uniform for (row key, column)
-    key = tl.load(key_ptr + t).to(tl.uint32)  # < 2^32
+    key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
     a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
     b = _mix32(a ^ 0x68E31DA4)
     bits = (a >> 5).to(tl.int64) * 67108864 + (b >> 6).to(tl.int64)  # 53 random bits
@@ -109,15 +124,19 @@ def _check_rows(name: str, x: torch.Tensor, rows: int | None = None) -> None:
         raise ValueError(f"need 0 < V < 2**31 columns, got {x.shape[1]}")
 
 
-def race_rows(w: torch.Tensor, keys: torch.Tensor, minus: torch.Tensor | None = None,
+def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+              stream: int | torch.Tensor, minus: torch.Tensor | None = None,
               use_minus: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """w [N, V] (float32 / float64, rows of non-negative weights), keys int64 [N] -> int64 [N]:
-    each row's exponential-race draw; with minus [N, V] and use_minus bool [N], rows where
-    use_minus holds race the residual max(w - minus, 0) (w where it is all zero)."""
+    """w [N, V] (float32 / float64, rows of non-negative weights) -> int64 [N]: each row's
+    exponential-race draw on the noise of (seeds, positions int64 [N], stream: one for all
+    rows or int64 [N]), ``sampler.uniform``'s; with minus [N, V] and use_minus bool [N], rows
+    where use_minus holds race the residual max(w - minus, 0) (w where it is all zero)."""
     _check_rows("w", w)
     n, v = w.shape
-    if keys.shape != (n,) or keys.dtype != torch.int64:
-        raise ValueError(f"keys must be int64 [{n}], got {keys.dtype} {tuple(keys.shape)}")
+    per_row = isinstance(stream, torch.Tensor)
+    for name, t in (("seeds", seeds), ("positions", positions)) + (("stream", stream),) * per_row:
+        if t.shape != (n,) or t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{n}], got {t.dtype} {tuple(t.shape)}")
     has_minus = minus is not None
     if has_minus:
         _check_rows("minus", minus, n)
@@ -133,10 +152,12 @@ def race_rows(w: torch.Tensor, keys: torch.Tensor, minus: torch.Tensor | None = 
     lanes = 2 if has_minus else 1
     val = torch.empty(n, lanes, n_chunks, dtype=torch.float64, device=w.device)
     idx = torch.empty(n, lanes, n_chunks, dtype=torch.int32, device=w.device)
-    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, keys)  # unread without
-    _race_chunk_kernel[(n, n_chunks)](w, m, use, keys, val, idx, v, w.stride(0), m.stride(0),
-                                      n_chunks, HAS_MINUS=has_minus, BLOCK=RACE_BLOCK,
-                                      num_warps=8)  # fmt: skip
+    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, seeds)  # unread without
+    streams, stream_value = (stream, 0) if per_row else (seeds, int(stream))
+    _race_chunk_kernel[(n, n_chunks)](w, m, use, seeds, positions, streams, stream_value, val,
+                                      idx, v, w.stride(0), m.stride(0), n_chunks,
+                                      STREAM_PER_ROW=per_row, HAS_MINUS=has_minus,
+                                      BLOCK=RACE_BLOCK, num_warps=8)  # fmt: skip
     _race_row_kernel[(n,)](val, idx, out, n_chunks, HAS_MINUS=has_minus,
                            CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)  # fmt: skip
     return out

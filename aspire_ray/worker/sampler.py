@@ -59,7 +59,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
     if probs.is_cuda:
         from aspire_ray.kernels.sampling import race_rows
 
-        return race_rows(probs, row_keys(seeds, positions, stream))
+        return race_rows(probs, seeds, positions, stream)
     return race_ref(probs, seeds, positions, stream)
 
 
@@ -72,7 +72,7 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, use_q: torch.Tensor,
     if p.is_cuda:
         from aspire_ray.kernels.sampling import race_rows
 
-        return race_rows(p, row_keys(seeds, positions, stream), q, use_q)
+        return race_rows(p, seeds, positions, stream, q, use_q)
     residual = (p - q).clamp_min(0)  # subtracted in p's dtype, as the kernel subtracts
     use = use_q & (residual > 0).any(dim=-1)
     return race_ref(torch.where(use[:, None], residual, p), seeds, positions, stream)

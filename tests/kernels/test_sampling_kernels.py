@@ -29,19 +29,21 @@ def test_the_race_draws_the_references_tokens(dtype, v):
     w[3] = 1.0 / v  # uniform
     seeds, positions = _keys(n)
     ref = sampler.race_ref(w, seeds, positions, Stream.DRAFT)
-    got = race_rows(w.to(DEVICE), sampler.row_keys(seeds, positions, Stream.DRAFT).to(DEVICE))
+    got = race_rows(w.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), Stream.DRAFT)
     assert torch.equal(got.cpu(), ref)
     assert ref[1] == 0
 
 
-def test_the_race_takes_a_stream_per_row_and_strided_rows():
+def test_the_race_takes_a_stream_per_row_wide_seeds_and_strided_rows():
     gen = torch.Generator().manual_seed(3)
     padded = torch.rand(6, 1000, generator=gen)
     w = padded[:, :900]  # rows 1,000 apart, 900 columns
     seeds, positions = _keys(6)
+    seeds[2:4] = torch.tensor([2**40 + 5, 2**62 + 2**33])  # the seed's high word counts too
+    positions[4] = 2**35 + 1  # only its low 32 bits do
     stream = torch.tensor([1, 2, 3, 1, 2, 3])
     ref = sampler.race_ref(w, seeds, positions, stream)
-    got = race_rows(w.to(DEVICE), sampler.row_keys(seeds, positions, stream).to(DEVICE))
+    got = race_rows(w.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), stream.to(DEVICE))
     assert torch.equal(got.cpu(), ref)
 
 
@@ -56,8 +58,8 @@ def test_the_residual_race_and_its_fallback_match_the_reference():
     seeds, positions = _keys(n)
     stream = torch.where(use, int(Stream.RESIDUAL), int(Stream.TARGET))
     ref = sampler.sample_residual(p, q, use, seeds, positions, stream)
-    keys = sampler.row_keys(seeds, positions, stream).to(DEVICE)
-    got = race_rows(p.to(DEVICE), keys, q.to(DEVICE), use.to(DEVICE))
+    got = race_rows(p.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), stream.to(DEVICE),
+                    q.to(DEVICE), use.to(DEVICE))  # fmt: skip
     assert torch.equal(got.cpu(), ref)
     plain = sampler.race_ref(p, seeds, positions, stream)  # rows that race p itself
     assert torch.equal(ref[[2, 3, 4, 5, 7]], plain[[2, 3, 4, 5, 7]])
@@ -107,8 +109,12 @@ def test_the_filter_reads_bf16_logits_and_rejects_bad_input():
                      torch.zeros(4, dtype=torch.int32, device=DEVICE), args[2].to(DEVICE),
                      True, True)  # fmt: skip
     with pytest.raises(ValueError, match="contiguous last dim"):
-        race_rows(torch.zeros(5, 3, device=DEVICE).t(), torch.zeros(3, dtype=torch.int64))
+        race_rows(torch.zeros(5, 3, device=DEVICE).t(), *(torch.zeros(3, dtype=torch.int64),) * 2,
+                  Stream.TARGET)  # fmt: skip
     with pytest.raises(ValueError, match="minus must match"):
-        race_rows(torch.zeros(2, 3, device=DEVICE), torch.zeros(2, dtype=torch.int64,
-                  device=DEVICE), torch.zeros(2, 4, device=DEVICE),
-                  torch.ones(2, dtype=torch.bool, device=DEVICE))  # fmt: skip
+        race_rows(torch.zeros(2, 3, device=DEVICE),
+                  *(torch.zeros(2, dtype=torch.int64, device=DEVICE),) * 2, Stream.TARGET,
+                  torch.zeros(2, 4, device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="seeds must be int64"):
+        race_rows(torch.zeros(2, 3, device=DEVICE), torch.zeros(2, device=DEVICE),
+                  torch.zeros(2, dtype=torch.int64, device=DEVICE), Stream.TARGET)
