@@ -21,9 +21,11 @@ filter_probs: softmax(x / T) restricted to the tokens kept by top-k, then by top
     e = exp(x / T - max) written to ``out`` and re-read by two searches over float32 bit
     patterns (e >= 0, so bit order is value order): the k-th largest e (the largest t with
     #{e >= t} >= k) and the top-p floor (the smallest t with sum{e > t, e kept by top-k} below
-    top_p times the top-k mass). A search pass tries SEARCH_WAYS thresholds at once: 10
-    passes over the row a search instead of bisection's 30; rows without top-k / top-p skip
-    their reads. Every row is cut into chunks over every SM (see "the filter" below).
+    top_p times the top-k mass). A search's first FULL_PASSES passes read whole rows, each
+    trying SEARCH_WAYS thresholds at once over chunks on every SM; then the e left inside
+    the bracket are compacted (CAP a chunk) and one program a row finishes by bisection over
+    them in registers (over the whole row where a chunk had more: a nearly flat row). Rows
+    without top-k / top-p skip their reads (see "the filter" below).
     Shapes: x [N, V] float32 / bf16, last dim contiguous; temperature, top_p float32 [N];
     top_k int64 [N] (0: off); out float32 [N, V].
 """
@@ -165,14 +167,15 @@ def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
 
 # ---- the filter ----------------------------------------------------------------------------
 # A row is cut into CHUNK-wide chunks, one program each (N x V / CHUNK programs over every SM).
-# A search keeps a bracket (lo, hi) of float32 bit patterns per row; each pass is one launch
-# whose programs count (or sum) their chunk's e against WAYS thresholds inside the bracket and
-# write them as partials; the next launch's programs each narrow the bracket from those
-# partials alone (all of a row's programs compute the same bracket; its chunk 0 stores it for
-# the launch after). A fixed number of passes (passes: (WAYS + 1)^passes > 2^30 patterns in
-# [0, 1]) keeps the launches a CUDA graph can capture; a row whose bracket has closed skips
-# its reads.
-COUNT, MASS, NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# A search keeps a bracket (lo, hi) of float32 bit patterns per row; each full pass is one
+# launch whose programs count (or sum) their chunk's e against WAYS thresholds inside the
+# bracket and write them as partials; the next launch's programs each narrow the bracket from
+# those partials alone (all of a row's programs compute the same bracket; its chunk 0 stores
+# it for the launch after). After FULL_PASSES of them the compaction launch keeps each chunk's
+# e inside the bracket and what the e above it add, and the finishing launch bisects over
+# those. A fixed sequence of launches, whatever the data, keeps it capturable in a CUDA graph;
+# a row whose bracket has closed skips its reads.
+COUNT, MASS = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
@@ -203,16 +206,6 @@ def _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, s, MODE: tl.constex
         lo = tl.max(tl.where(below, mids, lo), 0)
         hi = tl.min(tl.where(below, hi, mids), 0)
     return lo, hi
-
-
-@triton.jit
-def _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE: tl.constexpr,
-              WAYS: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """A search's result for row r after its passes: the k-th largest e (COUNT: f(lo)), or
-    the top-p floor (MASS: f(hi))."""
-    lo, hi = _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE, WAYS,
-                      CHUNKS)  # fmt: skip
-    return (lo if MODE == COUNT else hi).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -283,29 +276,112 @@ def _pass_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, floor_ptr, V, n
 
 
 @triton.jit
-def _kept_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_in_ptr, floor_in_ptr, kept_ptr,
-                 floor_ptr, V, n_rows, n_chunks, passes, MODE: tl.constexpr,
-                 WAYS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """After a search's last pass (MODE COUNT or MASS; NONE: no search, floor_in kept): its
-    floor for row r, never below floor_in [N] (into floor [N], by chunk 0), and this chunk's
-    mass kept at it (into kept [N, n_chunks]). MASS reads the top-k mass from kept_in."""
+def _kept_kernel(e_ptr, floor_ptr, kept_ptr, V, n_chunks, CHUNK: tl.constexpr):
+    """This chunk's mass at or above its row's floor [N], into kept [N, n_chunks]."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    floor = tl.load(floor_in_ptr + r)
-    if MODE == COUNT:
-        goal = tl.load(goal_ptr + r).to(tl.int32)
-        floor = _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE, WAYS,
-                          CHUNKS)  # fmt: skip
-    elif MODE == MASS:
-        goal = _kept_goal(kept_in_ptr, tl.load(goal_ptr + r), r, n_chunks, CHUNKS)
-        top_p_floor = _floor_of(state_ptr, part_ptr, goal, r, n_rows, n_chunks, passes, MODE,
-                                WAYS, CHUNKS)  # fmt: skip
-        floor = tl.maximum(top_p_floor, floor)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
-    tl.store(kept_ptr + r * n_chunks + c, tl.sum(tl.where(e >= floor, e, 0.0), 0))
+    kept = tl.sum(tl.where(e >= tl.load(floor_ptr + r), e, 0.0), 0)
+    tl.store(kept_ptr + r * n_chunks + c, kept)
+
+
+@triton.jit
+def _goal_of(goal_ptr, kept_ptr, r, n_chunks, MODE: tl.constexpr, CHUNKS: tl.constexpr):
+    """COUNT: row r's k; MASS: top_p times its top-k mass."""
+    if MODE == COUNT:
+        return tl.load(goal_ptr + r).to(tl.int32)
+    else:
+        return _kept_goal(kept_ptr, tl.load(goal_ptr + r), r, n_chunks, CHUNKS)
+
+
+@triton.jit
+def _compact_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, cand_ptr, count_ptr,
+                    above_ptr, V, n_rows, n_chunks, s, MODE: tl.constexpr, WAYS: tl.constexpr,
+                    CHUNK: tl.constexpr, CAP: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """After pass s - 1 of a search: row r's bracket (lo, hi) (by chunk 0 into state[s]), and
+    this chunk's candidates, the e with lo < bits(e) < hi, the first CAP of them into
+    cand [N, n_chunks, CAP] in column order, how many there are into count [N, n_chunks], and
+    what the e at or above f(hi) add to every threshold inside the bracket into above
+    [N, n_chunks] (COUNT: how many; MASS: their sum)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    goal = _goal_of(goal_ptr, kept_ptr, r, n_chunks, MODE, CHUNKS)
+    lo, hi = _bracket(state_ptr, part_ptr, goal, r, n_rows, n_chunks, s, MODE, WAYS, CHUNKS)
     if c == 0:
-        tl.store(floor_ptr + r, floor)
+        at = state_ptr + (s * n_rows + r) * 2
+        tl.store(at, lo)
+        tl.store(at + 1, hi)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
+    bits = e.to(tl.int32, bitcast=True)
+    inside = (bits > lo) & (bits < hi) & (cols < V)  # (a MASS bracket's lo may be -1)
+    slot = tl.cumsum(inside.to(tl.int32), 0) - 1
+    at = (r * n_chunks + c) * CAP
+    tl.store(cand_ptr + at + slot, e, mask=inside & (slot < CAP))
+    tl.store(count_ptr + r * n_chunks + c, tl.sum(inside.to(tl.int32), 0))
+    top = (bits >= hi) & (cols < V)
+    if MODE == COUNT:
+        tl.store(above_ptr + r * n_chunks + c, tl.sum(top.to(tl.float32), 0))
+    else:
+        tl.store(above_ptr + r * n_chunks + c, tl.sum(tl.where(top, e, 0.0), 0))
+
+
+@triton.jit
+def _finish_kernel(e_ptr, state_ptr, goal_ptr, kept_ptr, cand_ptr, count_ptr, above_ptr,
+                   floor_in_ptr, floor_ptr, V, n_rows, n_chunks, s, MODE: tl.constexpr,
+                   CAP: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Row r's search from its bracket in state[s] to the end, by bisection: over its
+    candidates held in registers (cand, with above's constant part), or over the whole row
+    where a chunk had more than CAP of them. Its floor (COUNT: f(lo), the k-th largest e;
+    MASS: f(hi), never below floor_in) into floor [N]."""
+    r = tl.program_id(0).to(tl.int64)
+    goal = _goal_of(goal_ptr, kept_ptr, r, n_chunks, MODE, CHUNKS)
+    at = state_ptr + (s * n_rows + r) * 2
+    lo, hi = tl.load(at), tl.load(at + 1)
+    c = tl.arange(0, CHUNKS)
+    counts = tl.load(count_ptr + r * n_chunks + c, mask=c < n_chunks, other=0)
+    base = tl.sum(tl.load(above_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0), 0)
+    if MODE == MASS:
+        floor_in = tl.load(floor_in_ptr + r)
+    else:
+        floor_in = 0.0
+    if tl.max(counts, 0) <= CAP:  # every candidate held: [CHUNKS, CAP] in registers
+        slots = tl.arange(0, CAP)
+        cand = tl.load(cand_ptr + (r * n_chunks + c[:, None]) * CAP + slots[None, :],
+                       mask=slots[None, :] < counts[:, None], other=0.0)  # fmt: skip
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            thr = mid.to(tl.float32, bitcast=True)
+            if MODE == COUNT:  # thr > 0: the empty slots never count
+                got = base + tl.sum(tl.sum((cand >= thr).to(tl.float32), 1), 0)
+            else:
+                got = base + tl.sum(tl.sum(tl.where(cand > thr, cand, 0.0), 1), 0)
+            if got >= goal:
+                lo = mid
+            else:
+                hi = mid
+    else:  # too many in some chunk (a nearly flat row): the whole row, a pass a step
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            thr = mid.to(tl.float32, bitcast=True)
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for s0 in range(0, V, BLOCK):
+                cols = s0 + tl.arange(0, BLOCK)
+                e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
+                if MODE == COUNT:
+                    acc += (e >= thr).to(tl.float32)
+                else:
+                    acc += tl.where((e > thr) & (e >= floor_in), e, 0.0)
+            if tl.sum(acc, 0) >= goal:
+                lo = mid
+            else:
+                hi = mid
+    if MODE == COUNT:
+        floor = lo.to(tl.float32, bitcast=True)
+    else:
+        floor = tl.maximum(hi.to(tl.float32, bitcast=True), floor_in)
+    tl.store(floor_ptr + r, floor)
 
 
 @triton.jit
@@ -322,27 +398,22 @@ def _write_kernel(e_ptr, kept_ptr, floor_ptr, V, n_chunks, CHUNK: tl.constexpr,
     tl.store(e_ptr + r * V + cols, tl.where(e >= floor, tl.math.div_rn(e, z), 0.0), mask=ok)
 
 
-def _passes(ways: int) -> int:
-    """Passes that close a bracket of every float32 pattern in [0, 1], (WAYS + 1)x a pass."""
-    n, span = 0, ONE + 2
-    while span > 1:
-        span, n = -(-span // (ways + 1)), n + 1
-    return n
-
-
-SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass, 10 passes
+SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass
 # (on an H100: 4 and 8 fastest, 8 at a draft step's 64 rows; docs/benchmarks.md §8.44)
-FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time)
+FULL_PASSES = 4  # full passes before the candidates are compacted: 2^30 / 9^4 patterns left,
+# ~2% of a binade around the threshold
+CAP = 64  # candidates a chunk keeps; a row with a chunk over it finishes over the whole row
+FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time in a pass)
 FILTER_SUB = 512
 
 
 def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, need_k: bool, need_p: bool,
-                 ways: int = SEARCH_WAYS) -> torch.Tensor:  # fmt: skip
+                 top_p: torch.Tensor, need_k: bool, need_p: bool, ways: int = SEARCH_WAYS,
+                 full_passes: int = FULL_PASSES) -> torch.Tensor:  # fmt: skip
     """x [N, V] logits -> float32 [N, V]: softmax(x / T) over the tokens kept by top-k, then
     top-p (ties kept); need_k / need_p: whether any row has top_k > 0 / top_p < 1 (without,
-    that search's launches are left out; a row without either skips its reads). ways: the
-    thresholds a pass tries (a power of 2; scripts/bench_sampling.py sweeps it)."""
+    that search's launches are left out; a row without either skips its reads). ways, full
+    passes: a search's shape (scripts/bench_sampling.py sweeps them)."""
     _check_rows("x", x)
     n, v = x.shape
     expected = (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
@@ -350,50 +421,57 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     for name, t, dt in expected:
         if t.shape != (n,) or t.dtype != dt:
             raise ValueError(f"{name} must be {dt} [{n}], got {t.dtype} {tuple(t.shape)}")
+    if full_passes < 1 or ways < 1 or ways & (ways - 1):
+        raise ValueError(f"need full_passes >= 1 and ways a power of 2, got {full_passes}, "
+                         f"{ways}")  # fmt: skip
     dev = x.device
     out = torch.empty(n, v, dtype=torch.float32, device=dev)
     if n == 0:
         return out
-    passes = _passes(ways)
     chunks = triton.cdiv(v, FILTER_CHUNK)
-    grid, CH = (n, chunks), triton.next_power_of_2(chunks)
+    grid, ch = (n, chunks), triton.next_power_of_2(chunks)
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=dev)
     _max_kernel[grid](x, temperature, maxes, v, x.stride(0), chunks, CHUNK=FILTER_CHUNK,
                       num_warps=8)  # fmt: skip
     _exp_kernel[grid](x, temperature, maxes.amax(dim=1), out, v, x.stride(0),
                       CHUNK=FILTER_CHUNK, num_warps=8)  # fmt: skip
-    tiles = dict(WAYS=ways, CHUNKS=CH)
-    sub = dict(tiles, CHUNK=FILTER_CHUNK, SUB=FILTER_SUB, num_warps=8)
-    floor_k = torch.zeros(n, dtype=torch.float32, device=dev)
-    kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
-    state_k = torch.zeros(passes + 1, n, 2, dtype=torch.int32, device=dev)
-    part_k = torch.empty(passes, n, chunks, ways, dtype=torch.int32, device=dev)
+
+    def search(mode, goal, kept_in, floor_in, lo, hi) -> torch.Tensor:
+        """The floor [N] of one search from the brackets (lo, hi) [N]: full_passes launches
+        over every chunk, the candidates compacted, then one program a row to the end."""
+        state = torch.empty(full_passes + 1, n, 2, dtype=torch.int32, device=dev)
+        state[0, :, 0], state[0, :, 1] = lo, hi
+        part = torch.empty(full_passes, n, chunks, ways, device=dev,
+                           dtype=torch.int32 if mode == COUNT else torch.float32)  # fmt: skip
+        for s in range(full_passes):
+            _pass_kernel[grid](out, state, part, goal, kept_in, floor_in, v, n, chunks, s,
+                               MODE=mode, WAYS=ways, CHUNK=FILTER_CHUNK, SUB=FILTER_SUB,
+                               CHUNKS=ch, num_warps=8)  # fmt: skip
+        cand = torch.empty(n, chunks, CAP, dtype=torch.float32, device=dev)
+        count = torch.empty(n, chunks, dtype=torch.int32, device=dev)
+        above = torch.empty(n, chunks, dtype=torch.float32, device=dev)
+        _compact_kernel[grid](out, state, part, goal, kept_in, cand, count, above, v, n,
+                              chunks, full_passes, MODE=mode, WAYS=ways, CHUNK=FILTER_CHUNK,
+                              CAP=CAP, CHUNKS=ch, num_warps=8)  # fmt: skip
+        floor = torch.empty(n, dtype=torch.float32, device=dev)
+        _finish_kernel[(n,)](out, state, goal, kept_in, cand, count, above, floor_in, floor, v,
+                             n, chunks, full_passes, MODE=mode, CAP=CAP, CHUNKS=ch,
+                             BLOCK=1024, num_warps=8)  # fmt: skip
+        return floor
+
     zero = torch.zeros(n, dtype=torch.float32, device=dev)
+    kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
+    floor = zero
     if need_k:  # bracket [0, 1.0 + 1 ulp) where the row cuts, else closed at 0
         cut = (top_k > 0) & (top_k < v)
-        state_k[0, :, 1] = torch.where(cut, ONE + 1, 1).to(torch.int32)
-        for s in range(passes):
-            _pass_kernel[grid](out, state_k, part_k, top_k, kept_k, floor_k, v, n, chunks, s,
-                               MODE=COUNT, **sub)  # fmt: skip
-    _kept_kernel[grid](out, state_k, part_k, top_k, kept_k, zero, kept_k, floor_k, v, n, chunks,
-                       passes, MODE=COUNT if need_k else NONE, CHUNK=FILTER_CHUNK,
-                       num_warps=8, **tiles)  # fmt: skip
-    if not need_p:
-        floor, kept = floor_k, kept_k
-    else:  # bracket (top-k's floor - 1 ulp, 1.0] where top_p < 1, else closed at the floor
-        floor = torch.empty_like(floor_k)
+        floor = search(COUNT, top_k, kept_k, zero, 0, torch.where(cut, ONE + 1, 1))
+    _kept_kernel[grid](out, floor, kept_k, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
+    kept = kept_k
+    if need_p:  # bracket (top-k's floor - 1 ulp, 1.0] where top_p < 1, else closed at it
+        bits = floor.view(torch.int32)
+        floor = search(MASS, top_p, kept_k, floor, bits - 1, torch.where(top_p < 1.0, ONE, bits))
         kept = torch.empty_like(kept_k)
-        bits = floor_k.view(torch.int32)
-        state_p = torch.empty(passes + 1, n, 2, dtype=torch.int32, device=dev)
-        state_p[0, :, 0] = bits - 1
-        state_p[0, :, 1] = torch.where(top_p < 1.0, ONE, bits)
-        part_p = torch.empty(passes, n, chunks, ways, dtype=torch.float32, device=dev)
-        for s in range(passes):
-            _pass_kernel[grid](out, state_p, part_p, top_p, kept_k, floor_k, v, n, chunks, s,
-                               MODE=MASS, **sub)  # fmt: skip
-        _kept_kernel[grid](out, state_p, part_p, top_p, kept_k, floor_k, kept, floor, v, n,
-                           chunks, passes, MODE=MASS, CHUNK=FILTER_CHUNK, num_warps=8,
-                           **tiles)  # fmt: skip
-    _write_kernel[grid](out, kept, floor, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=CH,
+        _kept_kernel[grid](out, floor, kept, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
+    _write_kernel[grid](out, kept, floor, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
                         num_warps=8)  # fmt: skip
     return out

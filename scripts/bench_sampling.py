@@ -4,7 +4,8 @@ For each row count (a draft step's batch, a verification's batch x (gamma + 1) r
 151,936 (Qwen2.5), temperature 0.7, side by side in one run:
 - filter: ``probs_from_logits`` (Triton, no sort: ``filter_probs``'s searches) against
   ``probs_from_logits_ref`` (torch sort), with top-k 20 and top-p 0.8, and top-p 0.8 alone,
-  for each search width ``--ways``;
+  for each search width ``--ways`` and number of passes over whole rows before the candidates
+  are compacted (``--full-passes``; "WAYSxFULL" in the JSON);
 - draw: ``sample_from_probs`` (Triton race) against ``race_ref`` on the filtered rows, and the
   race alone on unfiltered rows (every weight above 0: no chunk skipped);
 - the check: the same support, max abs difference of the probabilities, the same draws.
@@ -19,6 +20,7 @@ also as a CUDA graph replay (without the host's launches, as in the engine's dra
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from functools import partial
 
@@ -39,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--ways", type=ints, default=[2, 4, 8, 16], help="filter search widths")
+    p.add_argument("--ways", type=ints, default=[4, 8], help="filter search widths")
+    p.add_argument("--full-passes", type=ints, default=[2, 3, 4, 6],
+                   help="filter passes over whole rows before the candidates are compacted")
     p.add_argument("--reps", type=int, default=10)
     return p.parse_args(argv)
 
@@ -76,11 +80,11 @@ def main(argv: list[str] | None = None) -> None:
                        filter_floor_ms=floor_ms(8 * n * a.vocab),
                        filter_ref_ms=timer(partial(sampler.probs_from_logits_ref, *args)),
                        filter_ways={}, filter_max_abs_diff=0.0)  # fmt: skip
-            for ways in a.ways:
-                run = partial(filter_probs, *args, ways=ways)
+            for ways, full in itertools.product(a.ways, a.full_passes):
+                run = partial(filter_probs, *args, ways=ways, full_passes=full)
                 got = run()
-                assert torch.equal(got > 0, ref > 0), (n, label, ways)
-                row["filter_ways"][ways] = timer(run)
+                assert torch.equal(got > 0, ref > 0), (n, label, ways, full)
+                row["filter_ways"][f"{ways}x{full}"] = timer(run)
                 row["filter_max_abs_diff"] = max(row["filter_max_abs_diff"],
                                                  (got - ref).abs().max().item())  # fmt: skip
             row["filter_ms"] = timer(partial(sampler.probs_from_logits, *args))  # the default

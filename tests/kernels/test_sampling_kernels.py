@@ -97,6 +97,24 @@ def test_the_filter_keeps_the_references_tokens(need, v):
         assert (ref[7] > 0).sum() == 1  # top_p tiny: the top token alone
 
 
+@pytest.mark.parametrize("ways, full_passes", [(8, 1), (2, 4), (8, 12)])
+def test_the_filter_finishes_over_candidates_or_the_whole_row(ways, full_passes):
+    """A search's last passes run over the compacted candidates, or over the whole row where a
+    chunk holds more than CAP of them: a nearly flat row (every e within 1e-3 of the top) has
+    thousands; the result is the reference's either way, however the passes are split."""
+    n, v = 4, 5000
+    logits = _filter_case(n, v, seed=11)
+    logits[0] = 1e-3 * torch.randn(v, generator=torch.Generator().manual_seed(2))
+    logits[3] = logits[0]
+    args = (torch.ones(n), torch.tensor([0, 30, 0, 2000]), torch.tensor([0.9, 0.6, 0.5, 0.7]))
+    ref = sampler.probs_from_logits_ref(logits, *args, True, True)
+    got = filter_probs(logits.to(DEVICE), *(a.to(DEVICE) for a in args), True, True,
+                       ways=ways, full_passes=full_passes).cpu()  # fmt: skip
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    assert 4000 < (ref[0] > 0).sum() < 5000 and (ref[3] > 0).sum() <= 2000
+
+
 def test_the_filter_reads_bf16_logits_and_rejects_bad_input():
     logits = _filter_case(4, 700, seed=1).to(torch.bfloat16)
     args = (torch.ones(4), torch.tensor([0, 3, 0, 9]), torch.tensor([0.8, 1.0, 1.0, 0.6]))
