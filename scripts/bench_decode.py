@@ -416,6 +416,8 @@ def main() -> None:
                    help="requests decoded together; 'max': the most the KV pool holds (<= 1024)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
     p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
@@ -477,7 +479,8 @@ def main() -> None:
             elif mode == modes[0]:  # every mode of a context decodes the same batch
                 batch = largest_batch(llm, ctx, args)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    seed=0, ignore_eos=True)
+                                    top_p=args.top_p, top_k=args.top_k, seed=0,
+                                    ignore_eos=True)  # fmt: skip
             domains = None
             if args.dummy_shapes:
                 prompts = random_prompts(batch, int(ctx), llm.engine.info.vocab_size)
@@ -491,7 +494,7 @@ def main() -> None:
             else:
                 prompts = long_context_prompts(tok, batch, int(ctx))
             warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature,
-                                  ignore_eos=True)  # fmt: skip
+                                  top_p=args.top_p, top_k=args.top_k, ignore_eos=True)  # fmt: skip
             decode_run(llm, prompts[:WARMUP_REQUESTS], warm, f"warmup-{mode}")
             for rep in range(args.repeats):
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None

@@ -22,6 +22,8 @@
 #     with no model staged: one call after `bundle`, where device time is short)
 #   bash scripts/gpu_runs.sh kernels   (bench_fused_epilogues.py, bench_step_kernels.py,
 #     bench_fused_mlp.py: no model)
+#   bash scripts/gpu_runs.sh sampling [EXTRA...]   (bench_sampling.py: the sampling kernels
+#     against their torch references, filter search shapes swept; no model)
 #   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
 #     through the paged kernel against SDPA, and the FLOP floor)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]
@@ -162,6 +164,8 @@ PY
       run_logged "mlp-$shape" python3 scripts/bench_fused_mlp.py --model-shape "$shape" \
         --tokens 64,128 --out "$OUT/fused_mlp_$shape.json"
     done ;;
+  sampling)  # bench_sampling.py: the Triton sampling kernels against their torch references
+    (cd scripts && run_logged sampling python3 bench_sampling.py --out "$OUT/bench_sampling.json" "$@") ;;
   prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
     run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \
       --context "${1:-16000}" --batch "${2:-16}" --repeats "${3:-3}" --out "$OUT/prefill.json" ;;
