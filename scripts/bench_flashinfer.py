@@ -16,8 +16,8 @@ GQA group 7 kernel). Plans are made once, outside the timing, as an engine does 
 
 Sampling (vocab 151,936, batch 64, gamma 5, temperature / top-k / top-p per row), ours
 (``worker/sampler.py``, ``worker/rejection_sampler.py``: on a GPU the Triton kernels of
-``kernels/sampling.py``; their torch references beside them for draw and filter) against
-``flashinfer.sampling``:
+``kernels/race.py`` and ``top_k_top_p.py``; their torch references beside them for draw and
+filter) against ``flashinfer.sampling``:
 - draw: filter + sample from logits (ours: ``probs_from_logits`` + ``sample_from_probs``;
   flashinfer: ``softmax`` + ``top_k_top_p_sampling_from_probs``, or
   ``top_k_top_p_sampling_from_logits``); check: share of draws inside our filtered support;

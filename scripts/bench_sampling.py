@@ -1,4 +1,4 @@
-"""The sampling kernels (``kernels/sampling.py``) against their torch references, on one GPU.
+"""The sampling kernels (``kernels/race.py``, ``top_k_top_p.py``) against their torch references.
 
 For each row count (a draft step's batch, a verification's batch x (gamma + 1) rows), vocab
 151,936 (Qwen2.5), temperature 0.7, side by side in one run:
@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from bench_kernels import Timer, copy_bandwidth
 
-from aspire_ray.kernels.sampling import filter_probs
+from aspire_ray.kernels.top_k_top_p import filter_probs
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampler
 

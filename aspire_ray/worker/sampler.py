@@ -54,10 +54,10 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Te
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                       stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
     """probs [N, V] (rows of non-negative weights; their sums need not be 1) -> token ids [N]
-    int64, by the exponential race. On a GPU: ``kernels.sampling.race_rows``, the same draws
+    int64, by the exponential race. On a GPU: ``kernels.race.race_rows``, the same draws
     in one pass over the rows."""
     if probs.is_cuda:
-        from aspire_ray.kernels.sampling import race_rows
+        from aspire_ray.kernels.race import race_rows
 
         return race_rows(probs, seeds, positions, stream)
     return race_ref(probs, seeds, positions, stream)
@@ -70,7 +70,7 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, use_q: torch.Tensor,
     (a rejected draft) from the residual max(p - q, 0) (from p where the residual is all zero:
     q >= p everywhere), the others from p. p, q [N, V] float32; -> int64 [N]."""
     if p.is_cuda:
-        from aspire_ray.kernels.sampling import race_rows
+        from aspire_ray.kernels.race import race_rows
 
         return race_rows(p, seeds, positions, stream, q, use_q)
     residual = (p - q).clamp_min(0)  # subtracted in p's dtype, as the kernel subtracts
@@ -103,12 +103,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     top-k mass (the top token always stays).
     need_k / need_p: whether any row has top_k > 0 / top_p < 1, if the caller knows
     (``need_flags``; None: read from the tensors, a device sync each; CUDA graphs pass them).
-    On a GPU: ``kernels.sampling.filter_probs``, a row a program with no sort.
+    On a GPU: ``kernels.top_k_top_p.filter_probs``, with no sort.
     """
     need_k = bool((top_k > 0).any()) if need_k is None else need_k
     need_p = bool((top_p < 1.0).any()) if need_p is None else need_p
     if logits.is_cuda:
-        from aspire_ray.kernels.sampling import filter_probs
+        from aspire_ray.kernels.top_k_top_p import filter_probs
 
         return filter_probs(logits, temperature, top_k, top_p, need_k, need_p)
     return probs_from_logits_ref(logits, temperature, top_k, top_p, need_k, need_p)

@@ -1,12 +1,14 @@
-"""The Triton sampling kernels (``kernels.sampling``) against their torch references in
-``worker/sampler.py``: the exponential race draws the same token (its noise is the reference's,
-bit for bit), the residual race falls back to p where the residual is empty, and the top-k /
-top-p filter keeps the same tokens (ties at a cut kept) with the same probabilities."""
+"""The Triton sampling kernels (``kernels.race``, ``kernels.top_k_top_p``) against their torch
+references in ``worker/sampler.py``: the exponential race draws the same token (its noise is
+the reference's, bit for bit), the residual race falls back to p where the residual is empty,
+and the top-k / top-p filter keeps the same tokens (ties at a cut kept) with the same
+probabilities."""
 
 import pytest
 import torch
 
-from aspire_ray.kernels.sampling import RACE_BLOCK, filter_probs, race_rows
+from aspire_ray.kernels.race import RACE_BLOCK, race_rows
+from aspire_ray.kernels.top_k_top_p import filter_probs
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampler
 

@@ -1,20 +1,5 @@
-"""Triton sampling kernels: the exponential race and the top-k / top-p filter, one row of the
-vocabulary at a time, without the [rows, vocab] int64 and float64 temporaries of the torch
-references in ``aspire_ray/worker/sampler.py`` (whose meaning they keep).
-
-race_rows: token = argmax_v w_v / E_v, E_v = -log(u_v), u_v the counter-based uniform of
-    ``sampler.uniform`` (the same 32-bit hash, in uint32 where the reference masks int64;
-    float64 for u, E and the ratio as there), so a row's draw is the reference's draw. With
-    ``minus`` the weights are the residual max(w - minus, 0) of a rejected draft (rows where
-    ``use_minus`` is set), falling back to w where the residual is all zero
-    (``verify_sampled_batch``'s meaning).
-    Shapes: w, minus [N, V] float32 / float64, last dim contiguous; seeds, positions int64
-    [N] and the stream (an int or int64 [N]), hashed to a row key in the kernel as
-    ``sampler.row_keys`` hashes them; use_minus bool [N]; out int64 [N].
-    Stage 1 cuts every row into BLOCK-wide chunks (N x V / BLOCK programs over every SM), each
-    writing its chunk's largest ratio and the first index of it; stage 2 keeps, per row, the
-    largest (the first chunk on a tie): the first index of the row's largest ratio, as
-    ``torch.argmax``.
+"""Triton top-k / top-p filter: the distribution a sampled request draws from, without a sort
+(``sampler.probs_from_logits_ref``, a sort of each row, is its reference).
 
 filter_probs: softmax(x / T) restricted to the tokens kept by top-k, then by top-p (thresholds,
     ties kept: ``sampler.probs_from_logits_ref``): the row's max, then
@@ -25,7 +10,7 @@ filter_probs: softmax(x / T) restricted to the tokens kept by top-k, then by top
     trying SEARCH_WAYS thresholds at once over chunks on every SM; then the e left inside
     the bracket are compacted (CAP a chunk) and one program a row finishes by bisection over
     them in registers (over the whole row where a chunk had more: a nearly flat row). Rows
-    without top-k / top-p skip their reads (see "the filter" below).
+    without top-k / top-p skip their reads (the launches: the comment below).
     Shapes: x [N, V] float32 / bf16, last dim contiguous; temperature, top_p float32 [N];
     top_k int64 [N] (0: off); out float32 [N, V].
 """
@@ -36,136 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-RACE_BLOCK = 2048  # ratios a stage-1 program compares: 75 chunks a row of Qwen2.5's 151,936
+from .race import check_rows
+
 ONE = 0x3F800000  # float32 1.0's bits: e = exp(x - max) <= 1
 ONE_BITS = tl.constexpr(ONE)
+SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass
+# (on an H100: 4 and 8 fastest, 8 at a draft step's 64 rows; docs/benchmarks.md §8.44)
+FULL_PASSES = 4  # full passes before the candidates are compacted: 2^30 / 9^4 patterns left,
+# ~2% of a binade around the threshold
+CAP = 64  # candidates a chunk keeps; a row with a chunk over it finishes over the whole row
+FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time in a pass)
+FILTER_SUB = 512
 
 
-@triton.jit
-def _mix32(x):
-    """``sampler._mix32`` on uint32 values (its int64 products taken mod 2^32 are the uint32
-    products, which wrap natively)."""
-    x = x ^ (x >> 16)
-    x = x * 0x45D9F3B
-    x = x ^ (x >> 16)
-    x = x * 0x45D9F3B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.constexpr):
-    """``sampler.row_keys`` of row t: seed and position int64 [N] (seed >= 0), the stream one
-    for all rows or int64 [N]."""
-    seed = tl.load(seed_ptr + t)
-    if STREAM_PER_ROW:
-        stream = tl.load(stream_ptr + t)
-    k = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
-    k = _mix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    k = _mix32(k ^ (tl.load(pos_ptr + t) & 0xFFFFFFFF).to(tl.uint32))
-    return _mix32(k ^ ((stream.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32))
-
-
-@triton.jit(do_not_specialize=["stream"])  # Stream.DRAFT is 1: a runtime int, not constexpr 1
-def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, stream, val_ptr,
-                       idx_ptr, V, stride_w, stride_m, n_chunks, STREAM_PER_ROW: tl.constexpr,
-                       HAS_MINUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < V
-    w = tl.load(w_ptr + t * stride_w + cols, mask=ok, other=0.0)
-    # the noise of sampler.uniform for (row key, column)
-    key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
-    a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
-    b = _mix32(a ^ 0x68E31DA4)
-    bits = (a >> 5).to(tl.int64) * 67108864 + (b >> 6).to(tl.int64)  # 53 random bits
-    u = (bits.to(tl.float64) + 0.5) / 9007199254740992.0
-    expo = -tl.log(u)
-    ratio = tl.where(ok, w.to(tl.float64) / expo, -1.0)
-    best = tl.max(ratio, 0)
-    at = t * (2 if HAS_MINUS else 1) * n_chunks + c  # [N, lanes, n_chunks]: lane 0 races w
-    tl.store(val_ptr + at, best)
-    tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
-    if HAS_MINUS:  # the residual's race, beside w's (the fallback), on the same noise
-        m = tl.load(m_ptr + t * stride_m + cols, mask=ok, other=0.0)
-        # in the inputs' dtype, as the reference subtracts; rows without use_minus race w
-        res = tl.where(tl.load(use_ptr + t) != 0, tl.maximum(w - m, 0.0), w)
-        ratio = tl.where(ok, res.to(tl.float64) / expo, -1.0)
-        best = tl.max(ratio, 0)
-        at += n_chunks  # lane 1: the residual's
-        tl.store(val_ptr + at, best)
-        tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
-
-
-@triton.jit
-def _race_row_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, HAS_MINUS: tl.constexpr,
-                     CHUNKS: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS)
-    ok = c < n_chunks
-    base = t * (2 if HAS_MINUS else 1) * n_chunks
-    val = tl.load(val_ptr + base + c, mask=ok, other=-2.0)
-    idx = tl.load(idx_ptr + base + c, mask=ok, other=2147483647)
-    best = tl.max(val, 0)
-    # chunks are in column order: the smallest index among the largest is the row's first
-    token = tl.min(tl.where((val == best) & ok, idx, 2147483647), 0)
-    if HAS_MINUS:
-        rval = tl.load(val_ptr + base + n_chunks + c, mask=ok, other=-2.0)
-        ridx = tl.load(idx_ptr + base + n_chunks + c, mask=ok, other=2147483647)
-        rbest = tl.max(rval, 0)
-        rtoken = tl.min(tl.where((rval == rbest) & ok, ridx, 2147483647), 0)
-        token = tl.where(rbest > 0.0, rtoken, token)  # an all-zero residual: w's draw
-    tl.store(out_ptr + t, token.to(tl.int64))
-
-
-def _check_rows(name: str, x: torch.Tensor, rows: int | None = None) -> None:
-    if x.dim() != 2 or x.stride(1) != 1 or (rows is not None and x.shape[0] != rows):
-        raise ValueError(f"{name} must be [N, V] with a contiguous last dim, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
-    if not 0 < x.shape[1] < 2**31:
-        raise ValueError(f"need 0 < V < 2**31 columns, got {x.shape[1]}")
-
-
-def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-              stream: int | torch.Tensor, minus: torch.Tensor | None = None,
-              use_minus: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """w [N, V] (float32 / float64, rows of non-negative weights) -> int64 [N]: each row's
-    exponential-race draw on the noise of (seeds, positions int64 [N], stream: one for all
-    rows or int64 [N]), ``sampler.uniform``'s; with minus [N, V] and use_minus bool [N], rows
-    where use_minus holds race the residual max(w - minus, 0) (w where it is all zero)."""
-    _check_rows("w", w)
-    n, v = w.shape
-    per_row = isinstance(stream, torch.Tensor)
-    for name, t in (("seeds", seeds), ("positions", positions)) + (("stream", stream),) * per_row:
-        if t.shape != (n,) or t.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64 [{n}], got {t.dtype} {tuple(t.shape)}")
-    has_minus = minus is not None
-    if has_minus:
-        _check_rows("minus", minus, n)
-        if minus.shape != w.shape or minus.dtype != w.dtype:
-            raise ValueError(f"minus must match w ({w.dtype} {tuple(w.shape)}), got "
-                             f"{minus.dtype} {tuple(minus.shape)}")  # fmt: skip
-        if use_minus is None or use_minus.shape != (n,):
-            raise ValueError(f"use_minus must be bool [{n}] with minus")
-    out = torch.empty(n, dtype=torch.int64, device=w.device)
-    if n == 0:
-        return out
-    n_chunks = triton.cdiv(v, RACE_BLOCK)
-    lanes = 2 if has_minus else 1
-    val = torch.empty(n, lanes, n_chunks, dtype=torch.float64, device=w.device)
-    idx = torch.empty(n, lanes, n_chunks, dtype=torch.int32, device=w.device)
-    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, seeds)  # unread without
-    streams, stream_value = (stream, 0) if per_row else (seeds, int(stream))
-    _race_chunk_kernel[(n, n_chunks)](w, m, use, seeds, positions, streams, stream_value, val,
-                                      idx, v, w.stride(0), m.stride(0), n_chunks,
-                                      STREAM_PER_ROW=per_row, HAS_MINUS=has_minus,
-                                      BLOCK=RACE_BLOCK, num_warps=8)  # fmt: skip
-    _race_row_kernel[(n,)](val, idx, out, n_chunks, HAS_MINUS=has_minus,
-                           CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)  # fmt: skip
-    return out
-
-
-# ---- the filter ----------------------------------------------------------------------------
 # A row is cut into CHUNK-wide chunks, one program each (N x V / CHUNK programs over every SM).
 # A search keeps a bracket (lo, hi) of float32 bit patterns per row; each full pass is one
 # launch whose programs count (or sum) their chunk's e against WAYS thresholds inside the
@@ -398,14 +266,6 @@ def _write_kernel(e_ptr, kept_ptr, floor_ptr, V, n_chunks, CHUNK: tl.constexpr,
     tl.store(e_ptr + r * V + cols, tl.where(e >= floor, tl.math.div_rn(e, z), 0.0), mask=ok)
 
 
-SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass
-# (on an H100: 4 and 8 fastest, 8 at a draft step's 64 rows; docs/benchmarks.md §8.44)
-FULL_PASSES = 4  # full passes before the candidates are compacted: 2^30 / 9^4 patterns left,
-# ~2% of a binade around the threshold
-CAP = 64  # candidates a chunk keeps; a row with a chunk over it finishes over the whole row
-FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time in a pass)
-FILTER_SUB = 512
-
 
 def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, need_k: bool, need_p: bool, ways: int = SEARCH_WAYS,
@@ -414,7 +274,7 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     top-p (ties kept); need_k / need_p: whether any row has top_k > 0 / top_p < 1 (without,
     that search's launches are left out; a row without either skips its reads). ways, full
     passes: a search's shape (scripts/bench_sampling.py sweeps them)."""
-    _check_rows("x", x)
+    check_rows("x", x)
     n, v = x.shape
     expected = (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
                 ("top_p", top_p, torch.float32))  # fmt: skip
