@@ -9,14 +9,25 @@ probability exactly p_v.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from aspire_ray.kernels.host import upload
 
 _MASK32 = 0xFFFFFFFF
 
 
 def i64(xs: list[int], device) -> torch.Tensor:
-    """A host list of ints as an int64 tensor on device (seeds, positions, row indices)."""
-    return torch.tensor(xs, dtype=torch.int64, device=device)
+    """A host list of ints as an int64 tensor on device (seeds, positions, row indices), copied
+    through pinned memory: ``torch.tensor(xs, device=cuda)`` copies from pageable memory and
+    waits for the stream, so a sampled step's dozen small uploads would each stall the host
+    until the GPU drained."""
+    return upload(np.asarray(xs, dtype=np.int64), torch.device(device))
+
+
+def f32(xs: list[float], device) -> torch.Tensor:
+    """A host list of floats as a float32 tensor on device (temperatures, top_p), as ``i64``."""
+    return upload(np.asarray(xs, dtype=np.float32), torch.device(device))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -619,10 +619,9 @@ class Worker:
         if all(s.greedy for s in specs):
             return None
         dev = logits.device
-        temp = torch.tensor([s.temperature if not s.greedy else 1.0 for s in specs],
-                            dtype=torch.float32, device=dev)
+        temp = sampler.f32([s.temperature if not s.greedy else 1.0 for s in specs], dev)
         top_k = sampler.i64([s.top_k for s in specs], dev)
-        top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev)
+        top_p = sampler.f32([s.top_p for s in specs], dev)
         return sampler.probs_from_logits(logits, temp, top_k, top_p, *sampler.need_flags(specs))
 
 
