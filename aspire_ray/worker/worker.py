@@ -527,7 +527,9 @@ class Worker:
     def _sample(self, rows: list[RowPlan], logits: torch.Tensor,
                 offsets: list[int]) -> list[RowResult]:
         probs = self._probs(rows, logits, offsets)
-        argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy choice
+        # one device sync for every greedy choice; none in an all-sampled step
+        any_greedy = any(self.requests[row.req_id].sampling.greedy for row in rows)
+        argmax = logits.argmax(dim=-1).tolist() if any_greedy else []
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
         kept = self._sampled_draft_probs(rows, probs, offsets) if probs is not None else {}
