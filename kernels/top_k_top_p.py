@@ -112,11 +112,8 @@ def _pass_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, floor_ptr, V, n
     [N] (times the kept mass, from kept [N, n_chunks]), floor [N] the top-k floor."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if MODE == COUNT:
-        goal = tl.load(goal_ptr + r).to(tl.int32)
-        floor = 0.0
-    else:
-        goal = _kept_goal(kept_ptr, tl.load(goal_ptr + r), r, n_chunks, CHUNKS)
+    goal = _goal_of(goal_ptr, kept_ptr, r, n_chunks, MODE, CHUNKS)
+    if MODE == MASS:
         floor = tl.load(floor_ptr + r)
     if s == 0:
         at = state_ptr + r * 2
