@@ -90,7 +90,7 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, use_q: torch.Tensor,
 
 
 def race_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-              stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+             stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The exponential race in torch: argmax_v w_v / E_v over float64 [N, V] temporaries."""
     expo = -torch.log(uniform(seeds, positions, stream, weights.shape[1]))
     return torch.argmax(weights.double() / expo, dim=-1)
