@@ -8,7 +8,9 @@ For each row count (a draft step's batch, a verification's batch x (gamma + 1) r
   are compacted (``--full-passes``; "WAYSxFULL" in the JSON);
 - draw: ``sample_from_probs`` (Triton race) against ``race_ref`` on the filtered rows, and the
   race alone on unfiltered rows (every weight above 0: no chunk skipped);
-- the check: the same support, max abs difference of the probabilities, the same draws.
+- the check: the same support, max abs difference of the probabilities, the same draws;
+- accept: a sampled verification's acceptance test (``verify_sampled_batch``, eager, to host
+  tokens) of ``--accept-rows`` rows of ``--gamma`` drafts.
 Bytes each must move: the filter reads the logits and writes the probabilities (8 bytes a
 token), the race reads the probabilities (4); floor = bytes / the copy bandwidth of this run.
 Times are medians over ``--reps`` runs with CUDA events, L2 flushed before each; the filter's
@@ -30,6 +32,7 @@ from bench_kernels import Timer, copy_bandwidth
 from aspire_ray.kernels.top_k_top_p import filter_probs
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampler
+from aspire_ray.worker.rejection_sampler import verify_sampled_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ways", type=ints, default=[4, 8], help="filter search widths")
     p.add_argument("--full-passes", type=ints, default=[2, 3, 4, 6],
                    help="filter passes over whole rows before the candidates are compacted")
+    p.add_argument("--accept-rows", type=int, default=64, help="rows of the acceptance case")
+    p.add_argument("--gamma", type=int, default=5, help="drafts a row, acceptance case")
     p.add_argument("--reps", type=int, default=10)
     return p.parse_args(argv)
 
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             same = torch.equal(draw(), draw_ref())
             row.update(race_ms=timer(draw), race_ref_ms=timer(draw_ref), race_same_draws=same,
                        race_floor_ms=floor_ms(4 * n * a.vocab))  # fmt: skip
-            # every weight above 0 (no top-k / top-p): no chunk of the race can be skipped
+            # the race on unfiltered rows (every weight above 0), as temperature alone leaves them
             full = torch.softmax(logits / a.temperature, dim=-1)
             row["race_full_support_ms"] = timer(
                 partial(sampler.sample_from_probs, full, seeds, seeds, Stream.TARGET))
@@ -107,9 +112,27 @@ def main(argv: list[str] | None = None) -> None:
                   f"(torch {row['race_ref_ms']:.3f}; floor {row['race_floor_ms']:.3f}; "
                   f"same draws {same}; full support {row['race_full_support_ms']:.3f})",
                   flush=True)  # fmt: skip
+    accept = accept_case(a, timer)
+    print(f"accept: {accept['rows']} rows x {accept['gamma']} drafts to host tokens "
+          f"{accept['ms']:.3f} ms (mean accepted {accept['mean_accepted']:.2f})", flush=True)
     with open(a.out, "w") as f:
         json.dump(dict(device=props.name, torch=torch.__version__, copy_gbps=copy_gbps,
-                       args=vars(a), results=results), f, indent=1)  # fmt: skip
+                       args=vars(a), results=results, accept=accept), f, indent=1)  # fmt: skip
+
+
+def accept_case(a: argparse.Namespace, timer: Timer) -> dict:
+    """A sampled verification's acceptance: ``verify_sampled_batch`` of --accept-rows rows of
+    --gamma drafts each down to host tokens, eagerly as the worker runs it (its uploads, the
+    race of the residual, the one sync), on bench_flashinfer's inputs."""
+    from bench_flashinfer import sampling_inputs
+
+    inputs = argparse.Namespace(sample_batch=a.accept_rows, gamma=a.gamma, vocab=a.vocab,
+                                temperature=a.temperature, top_k=a.top_k,
+                                top_p=a.top_p)  # fmt: skip
+    s = sampling_inputs(inputs, torch.Generator().manual_seed(0), "cuda")
+    run = partial(verify_sampled_batch, s.target_probs, s.rows, s.draft_probs)
+    accepted = sum(n for n, _ in run()) / a.accept_rows
+    return dict(rows=a.accept_rows, gamma=a.gamma, ms=timer(run), mean_accepted=accepted)
 
 
 if __name__ == "__main__":
