@@ -5,9 +5,10 @@ For each row count (a draft step's batch, a verification's batch x (gamma + 1) r
 - filter: ``probs_from_logits`` (Triton, no sort: ``filter_probs``'s searches) against
   ``probs_from_logits_ref`` (torch sort), with top-k 20 and top-p 0.8, and top-p 0.8 alone,
   for each search width ``--ways`` and number of passes over whole rows before the candidates
-  are compacted (``--full-passes``; "WAYSxFULL" in the JSON);
+  are compacted (``--full-passes``; "WAYSxFULL" in the JSON), and an older filter beside it
+  (``--baseline-filter FILE``);
 - draw: ``sample_from_probs`` (Triton race) against ``race_ref`` on the filtered rows, and the
-  race alone on unfiltered rows (every weight above 0: no chunk skipped);
+  race alone on unfiltered rows (every weight above 0);
 - the check: the same support, max abs difference of the probabilities, the same draws;
 - accept: a sampled verification's acceptance test (``verify_sampled_batch``, eager, to host
   tokens) of ``--accept-rows`` rows of ``--gamma`` drafts.
@@ -16,12 +17,14 @@ token), the race reads the probabilities (4); floor = bytes / the copy bandwidth
 Times are medians over ``--reps`` runs with CUDA events, L2 flushed before each; the filter's
 also as a CUDA graph replay (without the host's launches, as in the engine's draft graphs).
 
-    python scripts/bench_sampling.py --rows 64,384,576 --out bench_sampling.json
+    python scripts/bench_sampling.py --rows 64,384,576 --out bench_sampling.json \
+        [--baseline-filter old_filter.py]   # git show b8e71d5:kernels/sampling.py > old_filter.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 from functools import partial
@@ -49,8 +52,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="filter passes over whole rows before the candidates are compacted")
     p.add_argument("--accept-rows", type=int, default=64, help="rows of the acceptance case")
     p.add_argument("--gamma", type=int, default=5, help="drafts a row, acceptance case")
+    p.add_argument("--baseline-filter", default=None,
+                   help="a file whose filter_probs(x, T, top_k, top_p, need_k, need_p) is timed "
+                        "beside ours (an older kernels file: git show REV:PATH > FILE)")
     p.add_argument("--reps", type=int, default=10)
     return p.parse_args(argv)
+
+
+def _load(path: str):
+    """The module in a file (an older kernels file, self-contained)."""
+    spec = importlib.util.spec_from_file_location("baseline_filter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _graphed(fn):
@@ -65,6 +79,7 @@ def _graphed(fn):
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    baseline = _load(a.baseline_filter) if a.baseline_filter else None
     timer = Timer(a.reps)
     copy_gbps = copy_bandwidth(timer)
     props = torch.cuda.get_device_properties(0)
@@ -93,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
                 row["filter_max_abs_diff"] = max(row["filter_max_abs_diff"],
                                                  (got - ref).abs().max().item())  # fmt: skip
             row["filter_ms"] = timer(partial(sampler.probs_from_logits, *args))  # the default
+            if baseline is not None:
+                old = partial(baseline.filter_probs, *args)
+                assert torch.equal(old() > 0, ref > 0), (n, label, "baseline")
+                row["filter_baseline_ms"] = timer(old)
             row["filter_graph_ms"] = timer(_graphed(partial(sampler.probs_from_logits, *args)))
             draw = partial(sampler.sample_from_probs, ref, seeds, seeds, Stream.TARGET)
             draw_ref = partial(sampler.race_ref, ref, seeds, seeds, Stream.TARGET)
@@ -105,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
                 partial(sampler.sample_from_probs, full, seeds, seeds, Stream.TARGET))
             results.append(row)
             ways_ms = " ".join(f"{w}:{ms:.3f}" for w, ms in row["filter_ways"].items())
+            if "filter_baseline_ms" in row:
+                print(f"rows {n:4d} {label:13s}: baseline filter "
+                      f"{row['filter_baseline_ms']:.3f} ms", flush=True)
             print(f"rows {n:4d} {label:13s}: filter {row['filter_ms']:.3f} ms (graph "
                   f"{row['filter_graph_ms']:.3f}; ways {ways_ms}) "
                   f"(torch {row['filter_ref_ms']:.3f}; floor {row['filter_floor_ms']:.3f}), "

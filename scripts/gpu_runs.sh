@@ -165,7 +165,8 @@ PY
         --tokens 64,128 --out "$OUT/fused_mlp_$shape.json"
     done ;;
   sampling)  # bench_sampling.py: the Triton sampling kernels against their torch references
-    (cd scripts && run_logged sampling python3 bench_sampling.py --out "$OUT/bench_sampling.json" "$@") ;;
+    # (EXTRA "--baseline-filter .stage/old_filter.py": an older filter_probs timed beside)
+    run_logged sampling python3 scripts/bench_sampling.py --out "$OUT/bench_sampling.json" "$@" ;;
   prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
     run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \
       --context "${1:-16000}" --batch "${2:-16}" --repeats "${3:-3}" --out "$OUT/prefill.json" ;;
