@@ -16,9 +16,11 @@ Optionally (``--sweep splits|all``) the kernel configuration is tuned first on a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, replace
 from functools import partial
@@ -91,6 +93,17 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def load_module(path: str, name: str):
+    """The module in a file, imported as ``name`` (an older version of one of our kernels
+    files, timed beside the current one; a name inside ``aspire_ray.kernels`` lets its relative
+    imports resolve)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def copy_bandwidth(timer: Timer) -> float:

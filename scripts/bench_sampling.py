@@ -24,13 +24,12 @@ also as a CUDA graph replay (without the host's launches, as in the engine's dra
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 from functools import partial
 
 import torch
-from bench_kernels import Timer, copy_bandwidth
+from bench_kernels import Timer, copy_bandwidth, load_module
 
 from aspire_ray.kernels.top_k_top_p import filter_probs
 from aspire_ray.plan import Stream
@@ -59,14 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load(path: str):
-    """The module in a file (an older kernels file, self-contained)."""
-    spec = importlib.util.spec_from_file_location("baseline_filter", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _graphed(fn):
     """fn captured in a CUDA graph: a replay times the GPU's work without the host's launches
     (as in the engine's draft graphs)."""
@@ -79,7 +70,7 @@ def _graphed(fn):
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    baseline = _load(a.baseline_filter) if a.baseline_filter else None
+    baseline = load_module(a.baseline_filter, "baseline_filter") if a.baseline_filter else None
     timer = Timer(a.reps)
     copy_gbps = copy_bandwidth(timer)
     props = torch.cuda.get_device_properties(0)

@@ -17,12 +17,12 @@ the median a call is reported (us). JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 
 import numpy as np
 import torch
+from bench_kernels import load_module
 from bench_linear import graph_time
 
 from aspire_ray.kernels import paged_attention
@@ -47,17 +47,6 @@ def bench_argmax(tokens: int, vocab: int, padded: int, inner: int, repeats: int)
             "triton_us": graph_us(lambda: argmax_rows(logits, out), inner, repeats)}  # fmt: skip
 
 
-def load_plan_kernel(path: str):
-    """Another version of kernels/plan_kernel.py, imported inside the package (its relative
-    imports resolve)."""
-    name = "aspire_ray.kernels._baseline_plan_kernel"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def bench_plan(rows: int, verify_rows: int, context: int, draft_pages: int,
                baseline: str | None, inner: int, repeats: int) -> dict:  # fmt: skip
     full = -(-context // PAGE_SIZE)
@@ -76,7 +65,8 @@ def bench_plan(rows: int, verify_rows: int, context: int, draft_pages: int,
     current = plan.buffer.clone()
     if baseline is not None:
         current_into = paged_attention.plan_into
-        paged_attention.plan_into = load_plan_kernel(baseline).plan_into
+        paged_attention.plan_into = load_module(
+            baseline, "aspire_ray.kernels._baseline_plan_kernel").plan_into
         try:
             result["baseline_us"] = graph_us(load, inner, repeats)
             plan.buffer.zero_()
