@@ -7,6 +7,7 @@ emulated by EagerGraph), and the graphs draft and verify what the host-planned s
 from __future__ import annotations
 
 import pytest
+import torch
 from fake_executor import FakeExecutor
 from helpers import random_prompts, run_staggered, use_eager_graphs
 
@@ -77,13 +78,27 @@ def test_async_runs_match_ar(tiny_model_dir, mode):
     assert any(verified for _, _, verified in segments), "no run verified"
 
 
-def test_async_runs_not_for_sampled_batches(tiny_model_dir):
-    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
-    prompts = random_prompts(2, [8, 24], vocab=256, seed=4)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
-    run_staggered(engine, prompts, params, arrive_every=1)
-    assert "async" not in engine.stats()["step_kinds"]
+def _mixed(engine, max_tokens=20):
+    """Greedy requests (r0, r2) beside sampled ones (r1 with top-p, r3), staggered."""
+    prompts = random_prompts(4, [8, 24, 40], vocab=256, seed=4)
+    params = [SamplingParams(max_tokens=max_tokens + 3 * i, temperature=0.8 * (i % 2), seed=i,
+                             top_p=0.9 if i == 1 else 1.0, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
+    return run_staggered(engine, prompts, params, arrive_every=2)
+
+
+def test_sampled_requests_run_asynchronously(tiny_model_dir):
+    # sampled rows beside greedy ones in the runs (worker/sampled_rows.py); the greedy
+    # requests' tokens are still `ar`'s
+    model_dir = tiny_model_dir("llama")
+    expected = _mixed(_engine(model_dir, "ar"))
+    engine = _engine(model_dir, "aspire", async_steps=6)
+    segments = _recording(engine.executor.worker)
+    out = _mixed(engine)
+    assert engine.stats()["step_kinds"].get("async", 0) >= 12, engine.stats()["step_kinds"]
+    assert (out["r0"], out["r2"]) == (expected["r0"], expected["r2"])
+    sampled = [v for rid, _, v in segments if rid in ("r1", "r3") and v]
+    assert len(sampled) >= 4, "too few sampled verifications in the runs"
 
 
 @pytest.mark.slow
@@ -107,6 +122,39 @@ def test_async_graphs_run_as_planned_steps(tiny_model_dir):
     assert _greedy(engine, max_tokens=7) == expected
     assert w.async_graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
     assert on_graphs == on_host and len(on_host) > 6  # the same drafts and verifications
+
+
+@pytest.mark.slow
+def test_sampled_async_graphs_run_as_planned_steps(tiny_model_dir):
+    # sampled rows on the graphs (their q kept on the device between steps, the acceptance
+    # and the draws there) give the host-planned steps' drafts, verifications and tokens; the
+    # next run's first steps start before the host knows this run's (async_overlap_steps 2,
+    # both engines: the scheduler promises the same draft lengths), from the q left on the
+    # device, while the q of the drafts held at the run's end are read from their snapshot.
+    # (A started run that is dropped leaves its page scores behind, which may change later
+    # drafts and so sampled tokens in general; not in this run, which the test fixes.)
+    model_dir = tiny_model_dir("llama_3l")
+    spec = dict(async_steps=6, attention_backend="triton", async_overlap_steps=2)
+    planned = _engine(model_dir, "aspire", **spec)
+    use_eager_graphs(planned, draft_graphs=False)
+    on_host = _recording(planned.executor.worker)
+    expected = _mixed(planned, max_tokens=20)
+    engine = _engine(model_dir, "aspire", **spec)
+    w = use_eager_graphs(engine)
+    on_graphs = _recording(w)
+    assert _mixed(engine, max_tokens=20) == expected
+    graphs = w.async_graphs
+    assert graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
+    assert any(v is not None for _, _, v in graphs.graphs), "no sampled graph variant ran"
+    assert graphs.runs_continued >= 2, (graphs.runs_started, graphs.runs_continued)
+    assert on_graphs == on_host and len(on_host) > 6
+    # the q read after a run are the snapshot's, whatever the steps started since wrote
+    with torch.inference_mode():  # the worker's tensors
+        kept = graphs.q_store[graphs.loaded][:2, 0].clone()
+        graphs.snapshot_q(2)
+        graphs.q_store[graphs.loaded].fill_(-1.0)
+        pending = graphs.pending_q(0, 2)
+    assert all(torch.equal(q, k) for q, k in zip(pending, kept, strict=True))
 
 
 # ---- zero-bubble runs (SpecConfig.async_overlap_steps) ---------------------------------------
@@ -251,6 +299,6 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
     graphs = use_eager_graphs(engine).async_graphs
     graphs.capture_all(3, engine.executor.worker.kv_caches)
-    assert {n for n, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
-    assert all(n <= t <= n * graphs.max_q for n, t in graphs.graphs)
-    assert {t for n, t in graphs.graphs if n == 4} == {4, 8, 16}
+    assert {n for n, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
+    assert all(n <= t <= n * graphs.max_q and v is None for n, t, v in graphs.graphs)
+    assert {t for n, t, _ in graphs.graphs if n == 4} == {4, 8, 16}

@@ -113,6 +113,25 @@ def test_async_graphs_on_gpu(mode):
 
 
 @pytest.mark.parametrize("mode", ["aspire", "aspire_fsm"])
+def test_sampled_async_graphs_on_gpu(mode):
+    # seeded sampling (top-p 0.9) in asynchronous runs: the graphs (q kept on the device, the
+    # filter, draws and acceptance in their Triton kernels) draw and verify as the
+    # host-planned steps of the same runs do. Without runs started early: one started and
+    # dropped leaves its page scores behind, later drafts may differ, and with them sampled
+    # tokens (their distribution does not: tests/test_sampling.py)
+    graphed = _run(mode, "float32", temperature=0.8, async_overlap_steps=0)
+    graphs = _run.last_worker.async_graphs
+    assert graphed == _run(mode, "float32", temperature=0.8, draft_graphs=False,
+                           async_overlap_steps=0)  # fmt: skip
+    assert graphs.steps > 20, "sampled steps did not replay the asynchronous graphs"
+    assert any(v is not None for _, _, v in graphs.graphs), "no sampled graph variant ran"
+    # started early, continued on the device: every request still gets all its tokens
+    overlapped = _run(mode, "float32", temperature=0.8, max_tokens=96)
+    assert _run.last_worker.async_graphs.runs_continued >= 3
+    assert all(len(tokens) == 96 for tokens in overlapped.values())
+
+
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fsm"])
 def test_runs_started_early_on_gpu(mode):
     # zero-bubble runs: the next run's first steps replay before the current run's tokens
     # reach the host; the same fp32 output with them as without them and as ar

@@ -204,12 +204,14 @@ def test_speculative_sampling_matches_ar_distribution(tiny_model_dir):
         assert pvalue > 1e-3, (pos, pvalue)
 
 
-@pytest.mark.parametrize("mode", ["aspire", "aspire_fixed"])  # aspire_fixed: draft chains
-def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir, mode):
+@pytest.mark.parametrize("mode,async_steps", [("aspire", 1), ("aspire", 16),
+                                              ("aspire_fixed", 16)])  # fixed: draft chains
+def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir, mode, async_steps):
     """A pending draft's q owns exactly its own [V] row: not a view of its step's [N, V]
     probabilities, nor of the step's [k, V] gather of sampled draft rows (either keeps the
-    other rows alive until this draft's request verifies, up to d_max steps later)."""
-    engine = _engine(tiny_model_dir("llama"), mode)
+    other rows alive until this draft's request verifies, up to d_max steps later), nor of an
+    asynchronous run's store of every row's q (async_steps > 1)."""
+    engine = _engine(tiny_model_dir("llama"), mode, async_steps=async_steps)
     worker = engine.executor.worker
     vocab = engine.info.vocab_size
     prompts = random_prompts(4, [20, 60], 256, seed=3)
@@ -220,7 +222,8 @@ def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir, mode):
         nonlocal held, mixed
         out = execute(plan)
         drafts = sum(row.kind.name == "DRAFT" for row in plan.rows)
-        mixed += drafts > 0 and any(row.kind.name == "VERIFY" for row in plan.rows)
+        mixed += drafts > 0 and any(row.kind.name == "VERIFY" or row.async_gamma is not None
+                                    for row in plan.rows)  # a run mixes them step by step
         for req in worker.requests.values():
             for q in req.draft_probs:
                 assert q.shape == (vocab,)

@@ -216,12 +216,11 @@ class Scheduler:
     def _async_gammas(self, reqs: list[Request], caps: list[int], budget: int,
                       promised: dict[str, int]) -> dict[str, int] | None:  # fmt: skip
         """Each request's draft length for an asynchronous run (``SpecConfig.async_steps``),
-        or None where none runs: a synchronized mode or no drafts, async_steps 1, a sampled
-        request (runs verify greedily on the device), or a step that may not fit the token
-        budget (every request verifying at once, max(held, gamma) + 1 queries each)."""
+        or None where none runs: a synchronized mode or no drafts, async_steps 1, or a step
+        that may not fit the token budget (every request verifying at once, max(held, gamma)
+        + 1 queries each). Sampled requests run too (``worker/sampled_rows.py``)."""
         spec = self.policy.cfg
-        if not spec.speculative or spec.synchronized or spec.async_steps == 1 \
-                or not all(r.sampling.greedy for r in reqs):  # fmt: skip
+        if not spec.speculative or spec.synchronized or spec.async_steps == 1:
             return None
         gammas = self.policy.targets(reqs, caps)
         if not spec.overlap_steps:  # nothing starts early: no promise to keep

@@ -21,6 +21,11 @@ step, its planning included:
     accept   draft rows: the argmax joins their drafts; verify rows: a = the longest prefix
              of drafts equal to the argmax, then x_n = argmax[a] at p + a + 1, no drafts held
              (``step_rows.accept_rows``, one launch on a GPU)
+    sampled  rows of sampled requests (a graph variant per (need_k, need_p), captured on
+             first use): the argmax becomes each query's choice (``sampled_rows``): draft
+             rows' draws, whose q is kept on the device (q_store), and speculative rejection
+             sampling's accepted drafts and last draw for verify rows, so that the same
+             acceptance moves them on
 
 The host knows each step's queries before the run (``RowPlan.async_kinds``), so it picks each
 step's token bucket, uploads the rows' numbers once and replays one graph per step; each
@@ -41,16 +46,19 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
+from .draft_graphs import sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_policies import PageSelector
 from .page_table import PageTable, list_capacity
+from .sampled_rows import sampled_choices
 from .step_graphs import StepGraphs
 from .step_rows import accept_rows, plan_rows, policy_layout
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
+    from aspire_ray.plan import SamplingSpec
 
-_LIVE, _SCORED = 1, 2  # row flag bits: a real row; its request has page scores
+_LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores; samples
 
 
 class AsyncStepGraphs:
@@ -72,8 +80,19 @@ class AsyncStepGraphs:
         # n -> int64 [6, n]: slot, flags, draft length, drafts held, x_n, its position
         self.state: dict[int, torch.Tensor] = {}
         self.chain: dict[int, torch.Tensor] = {}  # n -> int64 [max_drafts, n]: pending drafts
-        self.graphs: dict[tuple[int, int], object] = {}  # (n, t) -> graph
-        self.argmax: dict[tuple[int, int], torch.Tensor] = {}  # (n, t) -> int64 [t] output
+        # sampled rows (``sampled_rows``): n -> int64 [2, n] seed, top_k; float32 [2, n]
+        # temperature, top_p; float32 [max_drafts, n, V] the q of each pending draft (made at
+        # the first sampled capture of bucket n: 0.6 GB at 64 rows of Qwen2.5's vocabulary)
+        self.sstate: dict[int, torch.Tensor] = {}
+        self.fstate: dict[int, torch.Tensor] = {}
+        self.q_store: dict[int, torch.Tensor] = {}
+        # n -> the store as a run left it (``snapshot_q``): the next run's first steps may
+        # rewrite the store before the host knows which drafts the rows hold
+        self.q_snap: dict[int, torch.Tensor] = {}
+        # the rows on the device: their sampling variant (None: greedy) and row bucket
+        self.variant, self.loaded = None, 0
+        self.graphs: dict[tuple, object] = {}  # (n, t, variant) -> graph
+        self.argmax: dict[tuple, torch.Tensor] = {}  # (n, t, variant) -> int64 [t] choices
         self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
         self._key = None
         self._pool_pages = 0
@@ -99,27 +118,34 @@ class AsyncStepGraphs:
                 tuple(self.page_table.table.shape),
                 None if scores is None else (scores.data_ptr(), tuple(scores.shape)))
 
-    def ensure(self, n: int, t: int, kv_caches: list[torch.Tensor]) -> None:
-        """Graph (n, t), captured against the current tables (recaptured if they moved)."""
+    def ensure(self, n: int, t: int, kv_caches: list[torch.Tensor], variant=None) -> None:
+        """Graph (n, t) of this sampling variant, captured against the current tables
+        (recaptured if they moved)."""
         key = self._tables_key(kv_caches)
         if key != self._key:
             self.graphs.clear()
             self.argmax.clear()
             self.plans.clear()  # capacities follow the pool
             self._key, self._pool_pages = key, kv_caches[0].shape[0]
-        if (n, t) in self.graphs:
+        if (n, t, variant) in self.graphs:
             return
         p = self.pieces
         with torch.inference_mode():
             p.inputs_for(t, kv_caches)
+            depth = max(self.max_drafts, 1)
             if n not in self.state:
                 self.state[n] = torch.zeros(6, n, dtype=torch.int64, device=p.device)
-                self.chain[n] = torch.zeros(max(self.max_drafts, 1), n, dtype=torch.int64,
-                                            device=p.device)  # fmt: skip
+                self.chain[n] = torch.zeros(depth, n, dtype=torch.int64, device=p.device)
+            if variant is not None and n not in self.q_store:
+                self.sstate[n] = torch.zeros(2, n, dtype=torch.int64, device=p.device)
+                self.fstate[n] = torch.ones(2, n, dtype=torch.float32, device=p.device)
+                self.q_store[n] = torch.zeros(depth, n, self.model.arch.vocab_size,
+                                              dtype=torch.float32, device=p.device)  # fmt: skip
+                self.q_snap[n] = torch.zeros_like(self.q_store[n])
             self._layout(self.page_table.table.shape[1])
-            fn = lambda: self._step(n, t, kv_caches)  # noqa: E731
+            fn = lambda: self._step(n, t, kv_caches, variant)  # noqa: E731
             graph, out = p.capture_idle(fn, [self.state[n]], "async")
-        self.graphs[n, t], self.argmax[n, t] = graph, out
+        self.graphs[n, t, variant], self.argmax[n, t, variant] = graph, out
 
     def capture_all(self, rows: int, kv_caches: list[torch.Tensor]) -> None:
         """The graphs of every row bucket up to ``rows`` rows at every token bucket its runs
@@ -148,7 +174,7 @@ class AsyncStepGraphs:
         return self.plans[n, t, full]
 
     # ---- the captured step ---------------------------------------------------------------------
-    def _step(self, n: int, t: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _step(self, n: int, t: int, kv_caches: list[torch.Tensor], variant) -> torch.Tensor:
         state, chain = self.state[n], self.chain[n]
         slot, flags, gamma, held, x_id, x_pos = state
         table = self.page_table.table  # int32 [slots, W]
@@ -197,7 +223,14 @@ class AsyncStepGraphs:
                                ps, fixed_plan=plan)  # fmt: skip
             flags.bitwise_or_(live * _SCORED)
             hidden = sg.layers(t, lr + 1, len(layers), post, kv_caches)
-        argmax = self.model.greedy_tokens(hidden)  # [t]
+        if variant is None:
+            argmax = self.model.greedy_tokens(hidden)  # [t]
+        else:  # sampled rows' choices (the module docstring)
+            logits = self.model.compute_logits(hidden)  # float32 [t, V]
+            (seed, top_k), (temperature, top_p) = self.sstate[n], self.fstate[n]
+            argmax = sampled_choices(logits, logits.argmax(dim=-1), qo, verify, held, x_pos,
+                                     chain, (flags & _SAMPLED) > 0, seed, top_k, temperature,
+                                     top_p, variant, self.q_store[n])  # fmt: skip
         # draft rows: the argmax joins their drafts; verify rows: the accepted prefix
         accept_rows(argmax, inputs[0, :t], qo, rp["rows"], x_id, x_pos, x_pos, chain, held,
                     fused=self.fused_rows)  # fmt: skip
@@ -217,15 +250,21 @@ class AsyncStepGraphs:
 
     # ---- one run -------------------------------------------------------------------------------
     def run(self, rows: list[RowPlan], slots: list[int], scored: list[bool],
-            layout: list[list[int]], kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+            layout: list[list[int]], kv_caches: list[torch.Tensor],
+            specs: list[SamplingSpec] | None = None,
+            held_q: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Replay a run of ``rows`` (``fits``; their pages in the page table; scored: whether
-        their requests have page scores; layout[s][r]: row r's queries at step s) -> each
-        step's argmax over its queries, int64 [sum(layout[s])], on the device, no sync."""
+        their requests have page scores; layout[s][r]: row r's queries at step s; specs:
+        their sampling (None: all greedy); held_q[r]: the q of each draft a sampled row holds,
+        float32 [V]) -> each step's choices over its queries (the argmax of greedy rows),
+        int64 [sum(layout[s])], on the device, no sync (``pending_q`` then reads the q of the
+        sampled rows' drafts held at the end)."""
         n = next(b for b in self.row_buckets if b >= len(rows))
+        variant = sampling_variant(specs) if specs is not None else None
         buckets = [self.pieces.bucket(sum(q)) for q in layout]
         sync_tables(self.page_table, self.scores)
         for t in sorted(set(buckets), reverse=True):
-            self.ensure(n, t, kv_caches)
+            self.ensure(n, t, kv_caches, variant)
         state = np.zeros((6, n), dtype=np.int64)
         chain = np.zeros((self.chain[n].shape[0], n), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -233,10 +272,44 @@ class AsyncStepGraphs:
             state[:, i] = [slots[i], _LIVE | (_SCORED if scored[i] else 0), row.async_gamma,
                            len(known) - 1, known[0], row.start_pos - (len(known) - 1)]
             chain[: len(known) - 1, i] = known[1:]
+        if variant is not None:
+            self._load_sampling(n, state, specs, held_q)
         upload(state, self.pieces.device, self.state[n])
         upload(chain, self.pieces.device, self.chain[n])
         self.row_ids = [row.req_id for row in rows] + [None] * (n - len(rows))
+        self.variant, self.loaded = variant, n
         return self.replay(n, layout)
+
+    def _load_sampling(self, n: int, state: np.ndarray, specs: list[SamplingSpec],
+                       held_q: list[list[torch.Tensor]]) -> None:  # fmt: skip
+        """The sampled rows' flags, settings and held drafts' q, for a run of a sampled
+        variant (state: the run's int64 [6, n] before its upload)."""
+        r = len(specs)
+        sampled = np.array([not spec.greedy for spec in specs])
+        state[1, :r] |= np.where(sampled, _SAMPLED, 0)
+        sstate = np.zeros((2, n), dtype=np.int64)
+        sstate[:, :r] = [[spec.seed for spec in specs], [spec.top_k for spec in specs]]
+        fstate = np.ones((2, n), dtype=np.float32)
+        fstate[:, :r] = [[1.0 if spec.greedy else spec.temperature for spec in specs],
+                         [spec.top_p for spec in specs]]  # fmt: skip
+        upload(sstate, self.pieces.device, self.sstate[n])
+        upload(fstate, self.pieces.device, self.fstate[n])
+        for i, qs in enumerate(held_q):
+            if qs and sampled[i]:
+                self.q_store[n][: len(qs), i].copy_(torch.stack(qs))
+
+    def snapshot_q(self, depth: int) -> None:
+        """Keep the sampled rows' q of their first ``depth`` held drafts as the steps replayed
+        so far leave them (``pending_q`` reads them), before any later step is replayed."""
+        n = self.loaded
+        self.q_snap[n][:depth].copy_(self.q_store[n][:depth])
+
+    def pending_q(self, row: int, held: int) -> list[torch.Tensor]:
+        """The q of the drafts device row ``row`` held at the last ``snapshot_q`` (``held`` of
+        them, at most its depth), each its own float32 [V] copy (each q waits alone for its
+        request's verification)."""
+        snap = self.q_snap[self.loaded]
+        return [snap[j, row].clone() for j in range(held)]
 
     # ---- a run continued on the device ---------------------------------------------------------
     def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor]) -> bool:
@@ -247,7 +320,7 @@ class AsyncStepGraphs:
             return False
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            if t is None or (n, t) not in self.graphs or max(q) > self.max_q:
+            if t is None or (n, t, self.variant) not in self.graphs or max(q) > self.max_q:
                 return False
         return True
 
@@ -267,7 +340,7 @@ class AsyncStepGraphs:
         outs = []
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            self.graphs[n, t].replay()
-            outs.append(self.argmax[n, t][: sum(q)].clone())
+            self.graphs[n, t, self.variant].replay()
+            outs.append(self.argmax[n, t, self.variant][: sum(q)].clone())
         self.steps += len(layout)
         return outs

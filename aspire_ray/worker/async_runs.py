@@ -9,7 +9,10 @@ after a verification it learns only from the device. On a GPU the steps replay t
 ``async_graphs.py``, which plan themselves from device state, with one host sync per run;
 elsewhere each step is planned on the host from the tracks below, one sync per step. Either
 way the host replays each row's steps on its ``AsyncTrack`` from the argmax of its queries,
-deciding each verification as the device did (``rejection_sampler.verify_greedy``).
+deciding each verification as the device did (``rejection_sampler.verify_greedy``). Rows of
+sampled requests move on by their queries' choices instead (``sampled_rows``: their draws,
+and speculative rejection sampling's accepted drafts and last draw), which the same greedy
+acceptance reads; the q of their drafts stay on the device between steps.
 
 On the graphs the next run starts early (``SpecConfig.async_overlap_steps``): its first steps
 replay from the state this run leaves on the device before the host waits for this run's
@@ -27,19 +30,22 @@ import torch
 
 from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
-from . import rejection_sampler
+from . import rejection_sampler, sampler
 from .device_result import DeviceResult
 from .graph_clock import CLOCK
+from .sampled_rows import sampled_choices
 
 
 class AsyncTrack:
     """One row of an asynchronous run, step by step: the tokens known ([x_n, d_1..d_d]) and
-    where x_n sits; the segments (drafts, then the verification that ended them)."""
+    where x_n sits; the segments (drafts, then the verification that ended them); a sampled
+    row's q of the drafts it holds (host planning; float32 [V] each)."""
 
-    def __init__(self, row: RowPlan) -> None:
+    def __init__(self, row: RowPlan, q: list[torch.Tensor] | None = None) -> None:
         self.req_id = row.req_id
         self.kinds = row.async_kinds()
         self.known = list(row.verify_after)
+        self.q = list(q or [])
         self.x_pos = row.start_pos - (len(self.known) - 1)
         self.segments = [RowResult(row.req_id, RowKind.DRAFT, [])]
         self.visible = 0  # KV tokens the row's last step saw (the pages it scored)
@@ -97,15 +103,17 @@ class AsyncTrack:
 
 
 def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float, float]:
-    """An asynchronous run of ``rows`` (greedy) on ``worker`` (the Worker: its requests, page
-    table, ``async_graphs`` and ``_forward``; not imported, it imports this) -> (each row's
-    result, the seconds the host waited for the device, the refresh layer's seconds)."""
-    tracks = [AsyncTrack(row) for row in rows]
+    """An asynchronous run of ``rows`` on ``worker`` (the Worker: its requests, page table,
+    ``async_graphs`` and ``_forward``; not imported, it imports this) -> (each row's result,
+    the seconds the host waited for the device, the refresh layer's seconds). A sampled
+    request's ``draft_probs`` hold the q of its drafts held before and after."""
+    reqs = [worker.requests[row.req_id] for row in rows]
+    tracks = [AsyncTrack(row, req.draft_probs[: len(row.verify_after) - 1])
+              for row, req in zip(rows, reqs, strict=True)]  # fmt: skip
     steps = rows[0].num_steps
     for row in rows:
-        if row.async_gamma is None or row.num_steps != steps or \
-                not worker.requests[row.req_id].sampling.greedy:  # fmt: skip
-            raise ValueError(f"an asynchronous run holds greedy rows of {steps} steps only, "
+        if row.async_gamma is None or row.num_steps != steps:
+            raise ValueError(f"an asynchronous run holds rows of {steps} steps only, "
                              f"got row {row.req_id!r}")
         slot = worker.requests[row.req_id].slot
         end = row.start_pos + steps  # KV positions up to start_pos + steps - 1
@@ -118,17 +126,61 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
         return _on_graphs(worker, rows, tracks, layout)
     if graphs is not None:
         graphs.started = None
+    specs = [req.sampling for req in reqs]
+    sampled = not all(spec.greedy for spec in specs)
     wait = refresh = 0.0
     for s in range(steps):  # planned on the host, step by step
         logits, batch, _ = worker._forward([t.step_row(s) for t in tracks])
+        offsets = batch.logit_offsets
+        choices = logits.argmax(dim=-1)
+        if sampled:
+            choices = _host_choices(logits, choices, offsets, tracks, specs, s,
+                                    max(worker.cfg.spec.max_drafts, 1))  # fmt: skip
         t0 = time.perf_counter()
-        argmax = logits.argmax(dim=-1).tolist()
+        choices = choices.tolist()
         wait += time.perf_counter() - t0
         refresh += batch.attention.refresh_seconds
-        offsets = batch.logit_offsets
         for r, track in enumerate(tracks):
-            track.take(s, argmax[offsets[r] : offsets[r + 1]])
+            track.take(s, choices[offsets[r] : offsets[r + 1]])
+    for req, track in zip(reqs, tracks, strict=True):
+        req.draft_probs = track.q
     return [t.result() for t in tracks], wait, refresh
+
+
+def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
+                  tracks: list[AsyncTrack], specs: list, step: int,
+                  depth: int) -> torch.Tensor:  # fmt: skip
+    """A host-planned step's choices (``sampled_rows.sampled_choices``, the graphs' code,
+    over tensors made from the tracks); each sampled draft row's q joins its track, a
+    verification empties it."""
+    n, dev = len(tracks), logits.device
+    held = [len(t.known) - 1 for t in tracks]
+    verify = [int(t.kinds[step] >= 0) for t in tracks]
+    chain = torch.zeros(depth, n, dtype=torch.int64, device=dev)
+    q_store = torch.zeros(depth, n, logits.shape[1], dtype=torch.float32, device=dev)
+    for r, t in enumerate(tracks):
+        if held[r]:
+            chain[: held[r], r] = torch.tensor(t.known[1:], device=dev)
+        if t.q:
+            q_store[: len(t.q), r] = torch.stack(t.q)
+
+    def ints(xs):
+        return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+    def floats(xs):
+        return torch.tensor(xs, dtype=torch.float32, device=dev)
+
+    choices = sampled_choices(
+        logits, argmax, ints(offsets), ints(verify), ints(held), ints([t.x_pos for t in tracks]),
+        chain, torch.tensor([not sp.greedy for sp in specs], device=dev),
+        ints([sp.seed for sp in specs]), ints([sp.top_k for sp in specs]),
+        floats([1.0 if sp.greedy else sp.temperature for sp in specs]),
+        floats([sp.top_p for sp in specs]), sampler.need_flags(specs), q_store)
+    for r, (t, spec) in enumerate(zip(tracks, specs, strict=True)):
+        if spec.greedy:
+            continue
+        t.q = [] if verify[r] else t.q + [q_store[held[r], r].clone()]
+    return choices
 
 
 @dataclass
@@ -183,12 +235,15 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
         outs, layouts, row_ids, n = continued
     else:
         with CLOCK.phase("async:run"):
+            specs = [req.sampling for req in reqs]
             outs = graphs.run(rows, [req.slot for req in reqs],
-                              [req.scored_pages > 0 for req in reqs], layout,
-                              worker.kv_caches)  # fmt: skip
+                              [req.scored_pages > 0 for req in reqs], layout, worker.kv_caches,
+                              specs, [t.q for t in tracks])  # fmt: skip
         layouts, row_ids = layout, [row.req_id for row in rows]
         n = next(b for b in graphs.row_buckets if b >= len(rows))
     waited_for = CLOCK.launched
+    if graphs.variant is not None:  # the q of every draft a row may hold at the run's end
+        graphs.snapshot_q(max(max(row.async_gamma, len(row.verify_after) - 1) for row in rows))
     pending = DeviceResult(outs, spin=worker.cfg.device_wait == "spin")
     with CLOCK.phase("async:early"):
         graphs.started = _start_next(worker, n, rows, tracks, by_id)
@@ -199,6 +254,11 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     for d, rid in enumerate(row_ids):
         if rid in by_id:
             tracks[by_id[rid]].take_run(flat, starts[:, d])
+    if graphs.variant is not None:  # the sampled rows' q of the drafts they hold now
+        for d, rid in enumerate(row_ids):
+            req = worker.requests[rid] if rid in by_id else None
+            if req is not None and not req.sampling.greedy:
+                req.draft_probs = graphs.pending_q(d, len(tracks[by_id[rid]].known) - 1)
     if graphs.started is not None:
         graphs.started.learn_starts(tracks, worker.page_size)
     if graphs.scoring:  # every step scored every row

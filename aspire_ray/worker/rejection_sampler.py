@@ -53,13 +53,23 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts
         # resample from the residual max(p - q, 0) (the race needs no normalising), or from p
         # where that is all zero
         residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-        dist = residual if bool((residual > 0).any()) else target_probs[accepted]
+        p = target_probs[accepted].clone()
+        p[drafts[accepted]] = 0.0  # the rejected draft is never drawn again (``without_rejected``)
+        dist = residual if bool((residual > 0).any()) else p
         token = sample_from_probs(dist[None], seeds[accepted : accepted + 1],
                                   positions[accepted : accepted + 1], Stream.RESIDUAL)
     else:
         token = sample_from_probs(target_probs[d][None], seeds[d : d + 1], positions[d : d + 1],
                                   Stream.TARGET)
     return accepted, drafts[:accepted] + [int(token[0])]
+
+
+def without_rejected(p: torch.Tensor, rejected: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """p [N, V] with p[i, rejected[i]] set to 0 on rows where ``where`` [N] holds: the last
+    token's distribution after a rejection, whose residual is already 0 there, so that the
+    fallback from an all-zero residual to p never draws the rejected draft again."""
+    at = rejected[:, None]
+    return p.scatter(1, at, torch.where(where[:, None], 0.0, p.gather(1, at)))
 
 
 class SampledVerify(NamedTuple):
@@ -104,7 +114,9 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
     p_at = target_probs[logit + accepted]  # [R, V]: p_a, where the row's draw comes from
     stream = torch.where(residual_rows, int(Stream.RESIDUAL), int(Stream.TARGET))
     if first[-1]:  # rows with a rejection: the residual max(p - q, 0)
-        q_at = draft_probs[(i64(first[:-1], device) + accepted).clamp(max=first[-1] - 1)]
+        at = (i64(first[:-1], device) + accepted).clamp(max=first[-1] - 1)
+        q_at = draft_probs[at]
+        p_at = without_rejected(p_at, token[at], residual_rows)
         final = sample_residual(p_at, q_at, residual_rows, seeds, pos0 + accepted, stream)
     else:
         final = sample_from_probs(p_at, seeds, pos0 + accepted, stream)

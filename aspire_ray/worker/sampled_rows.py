@@ -1,0 +1,93 @@
+"""Sampled rows of an asynchronous run's step, decided on the device (issue 15: ``aspire`` at
+temperature > 0 on its self-planning graphs).
+
+A step of a run holds draft rows (one query) and verify rows (d + 1 queries [x_n, d_1..d_d]).
+Greedy rows move on by the argmax of their queries (``step_rows.accept_rows``: a verify row
+accepts the longest prefix of drafts equal to the argmax, then takes the argmax after it).
+``sampled_choices`` turns a step's argmax into each query's *choice*, so that the same
+acceptance moves sampled rows on exactly as speculative rejection sampling does
+(``rejection_sampler.verify_sampled_batch``, its reference and the host-planned steps' code):
+
+    draft row    choice = its draw from q = probs_from_logits(its logits), on the DRAFT
+                 stream at the position it predicts; q is kept, q_store[drafts held, row]
+    verify row   a = the first j whose draft d_{j+1} fails u_j * q_j(d) <= p_j(d) (u on the
+                 ACCEPT stream at position x_pos + 1 + j), or d; choices d_1..d_a, then at
+                 query a the draw from the residual max(p_a - q_a, 0) (RESIDUAL stream) if a
+                 < d, else from p_d (TARGET stream), at position x_pos + 1 + a
+
+The drawn token after a rejection is never the rejected draft (its residual weight is 0: p <
+q there), so the acceptance stops at it. Where the residual is all zero in float32 (p <= q
+everywhere: impossible in exact arithmetic) the draw falls back to p without the rejected
+draft, here and in the reference alike.
+
+Every operation is a tensor op over fixed shapes (capturable): the step's [t, V] probabilities
+once, two draws over [n, V] rows (``sampler``: Triton kernels on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aspire_ray.plan import Stream
+
+from . import sampler
+from .rejection_sampler import without_rejected
+
+
+def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor,
+                    verify: torch.Tensor, held: torch.Tensor, x_pos: torch.Tensor,
+                    chain: torch.Tensor, sampled: torch.Tensor, seed: torch.Tensor,
+                    top_k: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    variant: tuple[bool, bool], q_store: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Each query's choice (module docstring); greedy rows keep their argmax.
+
+    logits float32 [t, V]; argmax int64 [t]; qo [n + 1] the rows' query offsets (queries past
+    qo[n]: padding); per row [n]: verify (> 0: the row verifies its drafts), held int64
+    (drafts held before the step), x_pos int64 (position of x_n), sampled bool (padding rows
+    False), seed, top_k int64, temperature, top_p float32; chain int64 [D, n] the drafts held;
+    variant: (need_k, need_p) of ``sampler.probs_from_logits``; q_store float32 [D, n, V] the
+    q of each held draft, written in place for the sampled draft rows. -> int64 [t].
+    """
+    t, n, depth = logits.shape[0], held.shape[0], chain.shape[0]
+    dev = logits.device
+    bounds = qo.long()
+    i = torch.arange(t, device=dev)
+    row = torch.searchsorted(bounds[1:].contiguous(), i, right=True).clamp(max=n - 1)  # [t]
+    j = i - bounds[row]  # each query's index in its row
+    live = (i < bounds[n]) & sampled[row]  # queries of sampled rows
+    verifying = verify > 0
+    probs = sampler.probs_from_logits(
+        logits, torch.where(live, temperature[row], 1.0), torch.where(live, top_k[row], 0),
+        torch.where(live, top_p[row], 1.0), *variant)  # [t, V]
+    cols = torch.arange(n, device=dev)
+    first = bounds[:n].clamp(max=t - 1)  # each row's first query
+
+    # draft rows: a draw from q at the position the row predicts; q kept beside its draft
+    drafting = sampled & ~verifying
+    q_new = probs[first]  # [n, V]
+    drawn = sampler.sample_from_probs(q_new, seed, x_pos + held + 1, int(Stream.DRAFT))
+    at = held.clamp(max=depth - 1)
+    q_store[at, cols] = torch.where(drafting[:, None], q_new, q_store[at, cols])
+
+    # verify rows: the first rejected draft, a [n] (d where none is)
+    d = torch.where(verifying, held, 0)
+    jc = j.clamp(max=depth - 1)
+    token = chain[jc, row]  # [t] the draft query j checks, d_{j+1}
+    p_tok = probs[i, token].double()
+    q_tok = q_store[jc, row, token].double()
+    u = sampler.uniform(seed[row], x_pos[row] + 1 + j, int(Stream.ACCEPT), 1)[:, 0]
+    checks = live & verifying[row] & (j < d[row])
+    rejected_at = torch.where(checks & (u * q_tok > p_tok), j, d[row])
+    a = d.scatter_reduce(0, row, rejected_at, reduce="amin")
+    # the last token: from the residual at the first rejection, else from p_d
+    residual = sampled & verifying & (a < d)
+    ac = a.clamp(max=depth - 1)
+    p_at = without_rejected(probs[(bounds[:n] + a).clamp(max=t - 1)], chain[ac, cols], residual)
+    stream = torch.where(residual, int(Stream.RESIDUAL), int(Stream.TARGET))
+    final = sampler.sample_residual(p_at, q_store[ac, cols], residual, seed, x_pos + 1 + a,
+                                    stream)  # fmt: skip
+
+    choice = torch.where(live & drafting[row] & (j == 0), drawn[row], argmax)
+    in_verify = live & verifying[row]
+    choice = torch.where(in_verify & (j < a[row]), token, choice)
+    return torch.where(in_verify & (j == a[row]), final[row], choice)

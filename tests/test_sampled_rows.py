@@ -1,0 +1,95 @@
+"""Sampled rows of an asynchronous run's step (``worker/sampled_rows.py``): each query's choice
+read by the greedy acceptance gives what speculative rejection sampling's reference gives
+(``rejection_sampler.verify_sampled_batch`` and the draft draw), on the same random streams;
+the rejected draft is never drawn again."""
+
+from __future__ import annotations
+
+import torch
+
+from aspire_ray.plan import Stream
+from aspire_ray.worker import rejection_sampler as rs
+from aspire_ray.worker import sampler
+from aspire_ray.worker.sampled_rows import sampled_choices
+
+V, DEPTH = 40, 4
+# (kind, sampled, held, x_pos): draft rows have one query, verify rows held + 1
+ROWS = [("draft", True, 2, 10), ("verify", True, 3, 20), ("verify", False, 2, 30),
+        ("verify", True, 0, 40), ("draft", False, 1, 50), ("verify", True, 2, 60)]
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n = len(ROWS)
+    queries = [1 if kind == "draft" else held + 1 for kind, _, held, _ in ROWS]
+    qo = torch.tensor([0] + queries).cumsum(0)
+    t = int(qo[-1]) + 2  # two padding queries
+    # sharp logits and drafts drawn from q near p: both acceptances and rejections happen
+    logits = torch.randn(t, V, generator=g) * 3
+    q_store = torch.zeros(DEPTH, n, V)
+    chain = torch.zeros(DEPTH, n, dtype=torch.int64)
+    for r, (_, _, held, _) in enumerate(ROWS):
+        for j in range(held):
+            q = torch.softmax(logits[int(qo[r]) + min(j, queries[r] - 1)]
+                              + torch.randn(V, generator=g), dim=-1)  # fmt: skip
+            q_store[j, r] = q
+            chain[j, r] = torch.multinomial(q, 1, generator=g)
+    return n, qo, t, logits, q_store, chain
+
+
+def test_choices_are_rejection_sampling():
+    outcomes = set()
+    temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
+    top_k = torch.tensor([0, 12, 0, 0, 0, 5])
+    top_p = torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0])
+    for case in range(40):
+        n, qo, t, logits, q_store, chain = _case(case)
+        sampled = torch.tensor([s for _, s, _, _ in ROWS])
+        verify = torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS])
+        held = torch.tensor([h for _, _, h, _ in ROWS])
+        x_pos = torch.tensor([x for _, _, _, x in ROWS])
+        seed = torch.arange(n, dtype=torch.int64) * 7919 + case
+        argmax = logits.argmax(dim=-1)
+        store = q_store.clone()
+        choice = sampled_choices(logits, argmax, qo, verify, held, x_pos, chain, sampled, seed,
+                                 top_k, temperature, top_p, (True, True), store)  # fmt: skip
+        for r, (kind, is_sampled, h, x) in enumerate(ROWS):
+            lo = int(qo[r])
+            mine = choice[lo : lo + (1 if kind == "draft" else h + 1)].tolist()
+            k = slice(lo, lo + len(mine))
+            probs = sampler.probs_from_logits_ref(
+                logits[k], temperature[r].expand(len(mine)), top_k[r].expand(len(mine)),
+                top_p[r].expand(len(mine)), True, True)  # fmt: skip
+            if not is_sampled:
+                assert mine == argmax[k].tolist()
+                assert torch.equal(store[:, r], q_store[:, r])  # greedy rows keep no q
+            elif kind == "draft":
+                want = sampler.race_ref(probs, seed[r : r + 1], x_pos[r : r + 1] + h + 1,
+                                        int(Stream.DRAFT))  # fmt: skip
+                assert mine == want.tolist()
+                assert torch.equal(store[h, r], probs[0])  # its q, beside its draft
+            else:
+                drafts = chain[:h, r].tolist()
+                ((a, tokens),) = rs.verify_sampled_batch(
+                    probs, [rs.SampledVerify(0, drafts, int(seed[r]), int(x) + 1)],
+                    q_store[:h, r] if h else None)  # fmt: skip
+                assert rs.verify_greedy(mine, drafts) == (a, tokens), (case, r)
+                outcomes.add((h, a == h))
+    # the batch saw rows accept all their drafts and rows reject one
+    assert {(3, True), (3, False), (2, False)} <= outcomes, outcomes
+
+
+def test_the_rejected_draft_is_never_drawn_again():
+    # p <= q everywhere: after a rejection the residual is all zero and the draw falls back
+    # to p, without the rejected draft (token 0); both references and the batched code
+    p = torch.tensor([[0.2, 0.3], [0.5, 0.5]])
+    q = torch.tensor([[0.5, 0.5]])
+    rejected = 0
+    for seed in range(60):
+        a, tokens = rs.verify_sampled(p, q, [0], seed, 5)
+        ((a2, tokens2),) = rs.verify_sampled_batch(p, [rs.SampledVerify(0, [0], seed, 5)], q)
+        assert (a, tokens) == (a2, tokens2)
+        if a == 0:
+            rejected += 1
+            assert tokens == [1]
+    assert 10 < rejected < 60
