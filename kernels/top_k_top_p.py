@@ -25,10 +25,12 @@ from .race import check_rows
 
 ONE = 0x3F800000  # float32 1.0's bits: e = exp(x - max) <= 1
 ONE_BITS = tl.constexpr(ONE)
-SEARCH_WAYS = 8  # thresholds a pass tries at once: the bracket shrinks 9x a pass
-# (on an H100: 4 and 8 fastest, 8 at a draft step's 64 rows; docs/benchmarks.md §8.44)
-FULL_PASSES = 4  # full passes before the candidates are compacted: 2^30 / 9^4 patterns left,
-# ~2% of a binade around the threshold
+SEARCH_WAYS = 4  # thresholds a pass tries at once: the bracket shrinks 5x a pass
+FULL_PASSES = 2  # full passes before the candidates are compacted: 2^30 / 5^2 patterns left,
+# ~5 binades around the threshold. On an H100 (vocab 152k, logits 3 x randn at T = 0.7) 4 x 2
+# was the fastest of {4, 8} ways x {2, 3, 4, 6} passes at 64, 384 and 576 rows, 1.4-1.5x the
+# former 8 x 4 (docs/benchmarks.md §8.46); a chunk over CAP candidates in the wider bracket
+# falls back to the whole row, which real logits may do more often than these
 CAP = 64  # candidates a chunk keeps; a row with a chunk over it finishes over the whole row
 FILTER_CHUNK = 4096  # e values a filter program reads (SUB at a time in a pass)
 FILTER_SUB = 512

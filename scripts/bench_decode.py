@@ -188,7 +188,8 @@ def prefill_batch(engine, prompts: list[list[int]],
 
 
 def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               desc: str, window: str = "steady", diagnose: bool = False) -> dict:  # fmt: skip
+               desc: str, window: str = "steady", diagnose: bool = False,
+               profile_steps: int = 0) -> dict:  # fmt: skip
     """Prefill everything, then time the decode phase.
 
     window "steady": the clock stops when the first request finishes, so every row of the
@@ -199,6 +200,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     the end (acceptance and greedy-match statistics cover whole outputs).
     diagnose: over the window, time every graph replay on the GPU and log synchronizing CUDA
     calls (``Diagnosis``; slows the host a little, so not for the figures themselves).
+    profile_steps: after the window, this many engine steps under torch's profiler: the GPU
+    kernels by time (``breakdown.kernels``, ``profile_kernels``), outside the clock.
     """
     engine = llm.engine
     each = params if isinstance(params, list) else [params] * len(prompts)
@@ -210,8 +213,11 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
     t0 = time.perf_counter()
-    elapsed = None
+    elapsed = kernels = None
     while engine.has_unfinished():
+        if elapsed is not None and profile_steps and kernels is None:
+            kernels = profile_kernels(engine, profile_steps, finished)
+            continue
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
@@ -241,8 +247,40 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     breakdown["process"] = {k: v - process_before.get(k, 0) for k, v in process_after.items()}
     if diagnosed is not None:
         breakdown.update(diagnosed)
+    if kernels is not None:
+        breakdown["kernels"] = kernels
     return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
             "breakdown": breakdown}
+
+
+def profile_kernels(engine, steps: int, finished: dict, top: int = 25) -> dict:
+    """``steps`` engine steps (or fewer: the batch's end) under torch's profiler -> the wall
+    seconds, the GPU kernels' total and the ``top`` kernels by GPU time (name, ms, calls).
+    Finished requests' outputs go to ``finished``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    done = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while done < steps and engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            done += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r[1])
+    total = sum(ms for _, ms, _ in rows)
+    report = {"steps": done, "wall_ms": wall * 1e3, "kernel_ms": total,
+              "top": [{"name": k[:100], "ms": ms, "calls": c} for k, ms, c in rows[:top]]}
+    print(f"profiled {done} steps: wall {wall * 1e3:.1f} ms, GPU kernels {total:.1f} ms")
+    for r in report["top"]:
+        print(f"  {r['ms']:8.2f} ms {r['calls']:6d}x  {r['name']}")
+    return report
 
 
 class _GcClock:
@@ -430,6 +468,9 @@ def main() -> None:
                    help="time each graph replay on the GPU (idle between replays, by phase) and "
                         "log synchronizing CUDA calls over each window: breakdown.gpu_clock, "
                         "breakdown.syncs")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after each window, this many engine steps under torch's profiler: "
+                        "the GPU kernels by time (breakdown.kernels), outside the clock")
     p.add_argument("--window", choices=("steady", "drain"), default="steady",
                    help="stop the clock when the first (steady) or last (drain) request finishes")
     p.add_argument("--out", default=None)
@@ -499,7 +540,8 @@ def main() -> None:
             for rep in range(args.repeats):
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
-                                                 args.window, args.diagnose))
+                                                 args.window, args.diagnose,
+                                                 args.profile_steps))  # fmt: skip
                 per_mode[mode][-1]["domains"] = domains
                 run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
                 print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s",
