@@ -302,3 +302,20 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     assert {n for n, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
     assert all(n <= t <= n * graphs.max_q and v is None for n, t, v in graphs.graphs)
     assert {t for n, t, _ in graphs.graphs if n == 4} == {4, 8, 16}
+
+
+def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
+    # the store of the drafts' q is made at a bucket's first sampled run, after the KV pool
+    # took its share: where it would not fit, the run is planned on the host (no OOM)
+    from aspire_ray.worker import async_graphs as ag
+
+    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
+    graphs = use_eager_graphs(engine).async_graphs
+    layout = [[1, 1], [2, 1]]
+    assert graphs.fits(2, layout, sampled=True)
+    monkeypatch.setattr(ag, "free_device_bytes", lambda device: graphs.q_store_bytes(2))
+    assert graphs.fits(2, layout) and not graphs.fits(2, layout, sampled=True)
+    out = _mixed(engine, max_tokens=6)  # host-planned sampled runs
+    assert all(v is None for _, _, v in graphs.graphs), "a sampled graph variant was captured"
+    assert engine.stats()["step_kinds"].get("async", 0) >= 6
+    assert [len(t) for t in out.values()] == [6, 9, 12, 15]

@@ -61,6 +61,15 @@ if TYPE_CHECKING:
 _LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores; samples
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Memory a new tensor may take on the device: free memory plus what torch's caching
+    allocator holds unused (no limit on the CPU)."""
+    if device.type != "cuda":
+        return 1 << 62
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class AsyncStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
@@ -104,12 +113,28 @@ class AsyncStepGraphs:
         self.started = None  # the next run's first steps, if started (async_runs.Started)
         self.runs_started = self.runs_continued = 0  # runs begun early; of them, continued
 
-    def fits(self, rows: int, layout: list[list[int]]) -> bool:
+    def fits(self, rows: int, layout: list[list[int]], sampled: bool = False) -> bool:
         """Whether a run of ``rows`` rows with these queries per step (``layout[s][r]``) has
-        graphs: a row bucket, and a token bucket for every step."""
+        graphs: a row bucket, and a token bucket for every step; with sampled rows, room for
+        the bucket's q store (``q_store_fits``)."""
         n = next((b for b in self.row_buckets if b >= rows), None)
         return n is not None and all(self.pieces.bucket(sum(q)) is not None for q in layout) \
-            and max(max(q) for q in layout) <= self.max_q  # fmt: skip
+            and max(max(q) for q in layout) <= self.max_q \
+            and (not sampled or self.q_store_fits(n))  # fmt: skip
+
+    def q_store_bytes(self, n: int) -> int:
+        """The bytes of bucket n's q store and its snapshot: float32 [max_drafts, n, V] each."""
+        return 2 * max(self.max_drafts, 1) * n * self.model.arch.vocab_size * 4
+
+    def q_store_fits(self, n: int) -> bool:
+        """Whether bucket n's q store exists or fits in the device's free memory with 1 GiB to
+        spare. It is made at the first sampled run of its bucket, after the KV pool took its
+        share (``CacheConfig.gpu_memory_utilization``): 1.2 GB at 64 rows of Qwen2.5's
+        vocabulary, 10 GB at 512. A run it does not fit is planned on the host (slower; a
+        step's q then live for that step only), never an out-of-memory error."""
+        if n in self.q_store:
+            return True
+        return self.q_store_bytes(n) + (1 << 30) <= free_device_bytes(self.pieces.device)
 
     # ---- capture -------------------------------------------------------------------------------
     def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:

@@ -122,20 +122,19 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
                                f"cannot hold {end} tokens")
     graphs = worker.async_graphs
     layout = [[t.queries(s) for t in tracks] for s in range(steps)]
-    if graphs is not None and graphs.fits(len(rows), layout):
+    specs = [req.sampling for req in reqs]
+    sampled = not all(spec.greedy for spec in specs)
+    if graphs is not None and graphs.fits(len(rows), layout, sampled):
         return _on_graphs(worker, rows, tracks, layout)
     if graphs is not None:
         graphs.started = None
-    specs = [req.sampling for req in reqs]
-    sampled = not all(spec.greedy for spec in specs)
     wait = refresh = 0.0
     for s in range(steps):  # planned on the host, step by step
         logits, batch, _ = worker._forward([t.step_row(s) for t in tracks])
         offsets = batch.logit_offsets
         choices = logits.argmax(dim=-1)
         if sampled:
-            choices = _host_choices(logits, choices, offsets, tracks, specs, s,
-                                    max(worker.cfg.spec.max_drafts, 1))  # fmt: skip
+            choices = _host_choices(logits, choices, offsets, tracks, specs, s)
         t0 = time.perf_counter()
         choices = choices.tolist()
         wait += time.perf_counter() - t0
@@ -148,13 +147,13 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
 
 
 def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
-                  tracks: list[AsyncTrack], specs: list, step: int,
-                  depth: int) -> torch.Tensor:  # fmt: skip
+                  tracks: list[AsyncTrack], specs: list, step: int) -> torch.Tensor:  # fmt: skip
     """A host-planned step's choices (``sampled_rows.sampled_choices``, the graphs' code,
-    over tensors made from the tracks); each sampled draft row's q joins its track, a
-    verification empties it."""
+    over tensors made from the tracks, as deep as this step's rows hold drafts); each sampled
+    draft row's q joins its track, a verification empties it."""
     n, dev = len(tracks), logits.device
     held = [len(t.known) - 1 for t in tracks]
+    depth = max(held) + 1  # a draft row writes its q at [held]
     verify = [int(t.kinds[step] >= 0) for t in tracks]
     chain = torch.zeros(depth, n, dtype=torch.int64, device=dev)
     q_store = torch.zeros(depth, n, logits.shape[1], dtype=torch.float32, device=dev)
