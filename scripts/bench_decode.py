@@ -98,6 +98,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)
     "homogeneous": {"gamma_pricing": "homogeneous"},
+    # sampled requests' draft lengths moved to the verify slots too (SpecConfig.slot_sampled)
+    "slotsampled": {"slot_sampled": True},
 }
 
 

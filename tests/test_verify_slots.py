@@ -48,13 +48,14 @@ def test_align_stays_within_the_query_tile_and_off_for_rounds():
     assert policy("aspire_fixed", 9).align([8, 9], [0, 0], 4, [16, 16]) == [8, 9]
 
 
-def _verify_steps(quantum: int, async_steps: int) -> tuple[list[int], LLMEngine]:
+def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0,
+                  **spec) -> tuple[list[int], LLMEngine]:  # fmt: skip
     """Decode-step indices of every verification of 4 requests (aspire_fsm: the fake executor
     accepts every draft, so the draft lengths grow from 5)."""
     cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire_fsm",
                               calibrate="off", fsm_max=10,
                               async_steps=async_steps, verify_quantum=quantum, k_min=3,
-                              recent_pages=1, max_num_batched_tokens=64)  # fmt: skip
+                              recent_pages=1, max_num_batched_tokens=64, **spec)  # fmt: skip
     engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
     sched, steps = engine.scheduler, []
     execute = engine.executor.execute
@@ -75,7 +76,7 @@ def _verify_steps(quantum: int, async_steps: int) -> tuple[list[int], LLMEngine]
     engine.executor.execute = recording
     # requests that start decoding at different steps (prompts of different lengths, one
     # prefill chunk a step): out of phase at first
-    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=150, temperature=temperature, seed=1, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"r{i}", [(3 * i + j) % 256 for j in range(40 + 90 * i)], params)
     while engine.has_unfinished():
@@ -91,6 +92,16 @@ def test_verifications_fall_on_the_slots(async_steps):
     # the last verifications may come early (a request's last tokens cap its drafts)
     assert len(on) > 40 and share(on) >= 0.85, sorted(on)
     assert share(off) < 0.5  # without slots: a third of them by chance
+
+
+def test_sampled_requests_take_the_slots_only_when_asked():
+    # a sampled request keeps its own draft lengths (its text follows them), unless
+    # SpecConfig.slot_sampled moves them to the slots as greedy ones
+    share = lambda steps: sum(s % 3 == 2 for s in steps) / len(steps)  # noqa: E731
+    own, _ = _verify_steps(3, 6, temperature=0.8)
+    slotted, _ = _verify_steps(3, 6, temperature=0.8, slot_sampled=True)
+    assert len(slotted) > 40 and share(slotted) >= 0.85, sorted(slotted)
+    assert share(own) < 0.5
 
 
 def test_verify_slots_keep_the_tokens(tiny_model_dir):

@@ -226,13 +226,13 @@ class DraftPolicy:
         return self.cfg.verify_quantum > 1 and not self.cfg.synchronized
 
     def keeps_its_target(self, req: Request, target: int) -> bool:
-        """Whether ``align`` leaves the request's draft length alone: a sampled request (its
-        draws follow its draft lengths, so a seeded request's text must not depend on the
-        engine's step clock, i.e. on when it arrived) and a probe (one draft, the cheapest
-        lesson for alpha and the cost model)."""
+        """Whether ``align`` leaves the request's draft length alone: a sampled request unless
+        ``SpecConfig.slot_sampled`` (its draws follow its draft lengths, so a seeded request's
+        text would depend on the engine's step clock, i.e. on when it arrived) and a probe
+        (one draft, the cheapest lesson for alpha and the cost model)."""
         probe = target == 1 and self.cfg.mode_spec.gamma_rule == "cost_model" \
             and self.probe_due(req)  # fmt: skip
-        return probe or not req.sampling.greedy
+        return probe or (not req.sampling.greedy and not self.cfg.slot_sampled)
 
     def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
               keep: list[bool] | None = None) -> list[int]:  # fmt: skip
