@@ -134,7 +134,11 @@ class AsyncStepGraphs:
         step's q then live for that step only), never an out-of-memory error."""
         if n in self.q_store:
             return True
-        return self.q_store_bytes(n) + (1 << 30) <= free_device_bytes(self.pieces.device)
+        short = self.q_store_bytes(n) + (1 << 30) > free_device_bytes(self.pieces.device)
+        # every shard of a tensor-parallel group takes the same path (a graph on one and the
+        # host's steps on another would not meet in their collectives)
+        flag = torch.tensor([int(short)], device=self.pieces.device)
+        return not bool(self.model.tp.all_reduce_max(flag).item())
 
     # ---- capture -------------------------------------------------------------------------------
     def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:
