@@ -307,13 +307,14 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
 def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
     # the store of the drafts' q is made at a bucket's first sampled run, after the KV pool
     # took its share: where it would not fit, the run is planned on the host (no OOM)
-    from aspire_ray.worker import async_graphs as ag
+    from aspire_ray.worker import device_memory
 
     engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
     graphs = use_eager_graphs(engine).async_graphs
     layout = [[1, 1], [2, 1]]
     assert graphs.fits(2, layout, sampled=True)
-    monkeypatch.setattr(ag, "free_device_bytes", lambda device: graphs.q_store_bytes(2))
+    monkeypatch.setattr(device_memory, "free_device_bytes",
+                        lambda device: graphs.q_store_bytes(2))  # fmt: skip
     assert graphs.fits(2, layout) and not graphs.fits(2, layout, sampled=True)
     out = _mixed(engine, max_tokens=6)  # host-planned sampled runs
     assert all(v is None for _, _, v in graphs.graphs), "a sampled graph variant was captured"

@@ -46,6 +46,7 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
+from .device_memory import room_for
 from .draft_graphs import sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_policies import PageSelector
@@ -59,15 +60,6 @@ if TYPE_CHECKING:
     from aspire_ray.plan import SamplingSpec
 
 _LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores; samples
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Memory a new tensor may take on the device: free memory plus what torch's caching
-    allocator holds unused (no limit on the CPU)."""
-    if device.type != "cuda":
-        return 1 << 62
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class AsyncStepGraphs:
@@ -127,18 +119,13 @@ class AsyncStepGraphs:
         return 2 * max(self.max_drafts, 1) * n * self.model.arch.vocab_size * 4
 
     def q_store_fits(self, n: int) -> bool:
-        """Whether bucket n's q store exists or fits in the device's free memory with 1 GiB to
-        spare. It is made at the first sampled run of its bucket, after the KV pool took its
-        share (``CacheConfig.gpu_memory_utilization``): 1.2 GB at 64 rows of Qwen2.5's
-        vocabulary, 10 GB at 512. A run it does not fit is planned on the host (slower; a
-        step's q then live for that step only), never an out-of-memory error."""
-        if n in self.q_store:
-            return True
-        short = self.q_store_bytes(n) + (1 << 30) > free_device_bytes(self.pieces.device)
-        # every shard of a tensor-parallel group takes the same path (a graph on one and the
-        # host's steps on another would not meet in their collectives)
-        flag = torch.tensor([int(short)], device=self.pieces.device)
-        return not bool(self.model.tp.all_reduce_max(flag).item())
+        """Whether bucket n's q store exists or fits in the device's free memory on every
+        shard (``device_memory.room_for``). It is made at the first sampled run of its bucket,
+        after the KV pool took its share: 1.2 GB at 64 rows of Qwen2.5's vocabulary, 10 GB at
+        512. A run it does not fit is planned on the host (slower; a step's q then live for
+        that step only), never an out-of-memory error."""
+        return n in self.q_store or room_for(self.q_store_bytes(n), self.pieces.device,
+                                              self.model.tp)  # fmt: skip
 
     # ---- capture -------------------------------------------------------------------------------
     def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:

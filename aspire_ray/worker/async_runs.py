@@ -30,10 +30,10 @@ import torch
 
 from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
-from . import rejection_sampler, sampler
+from . import rejection_sampler
 from .device_result import DeviceResult
 from .graph_clock import CLOCK
-from .sampled_rows import sampled_choices
+from .sampled_rows import host_choices
 
 
 class AsyncTrack:
@@ -148,37 +148,21 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
 
 def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
                   tracks: list[AsyncTrack], specs: list, step: int) -> torch.Tensor:  # fmt: skip
-    """A host-planned step's choices (``sampled_rows.sampled_choices``, the graphs' code,
-    over tensors made from the tracks, as deep as this step's rows hold drafts); each sampled
-    draft row's q joins its track, a verification empties it."""
-    n, dev = len(tracks), logits.device
+    """A host-planned step's choices (``sampled_rows.host_choices``, the graphs' code over
+    tensors made from the tracks); each sampled draft row's q joins its track, a
+    verification empties it."""
     held = [len(t.known) - 1 for t in tracks]
-    depth = max(held) + 1  # a draft row writes its q at [held]
-    verify = [int(t.kinds[step] >= 0) for t in tracks]
-    chain = torch.zeros(depth, n, dtype=torch.int64, device=dev)
-    q_store = torch.zeros(depth, n, logits.shape[1], dtype=torch.float32, device=dev)
+    verify = [t.kinds[step] >= 0 for t in tracks]
+    chain = torch.zeros(max(held) + 1, len(tracks), dtype=torch.int64, device=logits.device)
     for r, t in enumerate(tracks):
         if held[r]:
-            chain[: held[r], r] = torch.tensor(t.known[1:], device=dev)
-        if t.q:
-            q_store[: len(t.q), r] = torch.stack(t.q)
-
-    def ints(xs):
-        return torch.tensor(xs, dtype=torch.int64, device=dev)
-
-    def floats(xs):
-        return torch.tensor(xs, dtype=torch.float32, device=dev)
-
-    choices = sampled_choices(
-        logits, argmax, ints(offsets), ints(verify), ints(held), ints([t.x_pos for t in tracks]),
-        chain, torch.tensor([not sp.greedy for sp in specs], device=dev),
-        ints([sp.seed for sp in specs]), ints([sp.top_k for sp in specs]),
-        floats([1.0 if sp.greedy else sp.temperature for sp in specs]),
-        floats([sp.top_p for sp in specs]), sampler.need_flags(specs), q_store)
-    for r, (t, spec) in enumerate(zip(tracks, specs, strict=True)):
-        if spec.greedy:
-            continue
-        t.q = [] if verify[r] else t.q + [q_store[held[r], r].clone()]
+            chain[: held[r], r] = torch.tensor(t.known[1:], device=logits.device)
+    choices, new_q = host_choices(logits, argmax, offsets, verify, held,
+                                  [t.x_pos for t in tracks], chain, specs,
+                                  [t.q for t in tracks])  # fmt: skip
+    for t, spec, v, q in zip(tracks, specs, verify, new_q, strict=True):
+        if not spec.greedy:
+            t.q = [] if v else t.q + [q]
     return choices
 
 

@@ -91,3 +91,35 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     in_verify = live & verifying[row]
     choice = torch.where(in_verify & (j < a[row]), token, choice)
     return torch.where(in_verify & (j == a[row]), final[row], choice)
+
+
+def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
+                 verify: list[bool], held: list[int], x_pos: list[int], chain: torch.Tensor,
+                 specs: list,
+                 qs: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list]:  # fmt: skip
+    """``sampled_choices`` of a step planned on the host, from host lists: offsets [n + 1]
+    its rows' logit rows; per row whether it verifies, the drafts it holds, x_pos, its
+    SamplingSpec and the q of its drafts held (float32 [V] each); chain int64 [D, n] those
+    drafts, D > every draft row's held. -> (the choices, each sampled draft row's new q, its
+    own copy, None for the other rows)."""
+    n, dev = len(specs), logits.device
+    q_store = torch.zeros(chain.shape[0], n, logits.shape[1], dtype=torch.float32, device=dev)
+    for r, q in enumerate(qs):
+        if q:
+            q_store[: len(q), r] = torch.stack(q)
+
+    def ints(xs):
+        return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+    def floats(xs):
+        return torch.tensor(xs, dtype=torch.float32, device=dev)
+
+    choices = sampled_choices(
+        logits, argmax, ints(offsets), ints([int(v) for v in verify]), ints(held), ints(x_pos),
+        chain, torch.tensor([not s.greedy for s in specs], device=dev),
+        ints([s.seed for s in specs]), ints([s.top_k for s in specs]),
+        floats([1.0 if s.greedy else s.temperature for s in specs]),
+        floats([s.top_p for s in specs]), sampler.need_flags(specs), q_store)
+    new_q = [None if s.greedy or v else q_store[h, r].clone()
+             for r, (s, v, h) in enumerate(zip(specs, verify, held, strict=True))]  # fmt: skip
+    return choices, new_q
