@@ -67,12 +67,23 @@ def test_rounds_per_plan_give_the_tokens_of_one_round_per_plan(tiny_model_dir, m
 @pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed"])
 def test_sampled_chains_draw_as_single_draft_steps(tiny_model_dir, mode):
     # seeded sampling: each draft drawn at its own (seed, position), its q kept for the
-    # verification; no rounds in one plan (their verification is greedy only)
+    # verification; the round's verification in the chain's plan (by the sampled rows'
+    # choices, worker/sampled_rows.py), several rounds a plan, or a plan of its own
     model_dir = tiny_model_dir("llama")
     single, single_chains, _ = _run(model_dir, mode, temperature=0.8, draft_chains=False)
-    chained, chains, rounds = _run(model_dir, mode, temperature=0.8)
-    assert set(single_chains) == {1} and max(chains) == SPARSE["gamma"] and rounds == 0
-    assert chained == single
+    chained, chains, no_rounds = _run(model_dir, mode, temperature=0.8, chain_verify=False)
+    rounded, _, rounds = _run(model_dir, mode, temperature=0.8, rounds_per_plan=1)
+    assert set(single_chains) == {1} and max(chains) == SPARSE["gamma"] and no_rounds == 0
+    assert rounds > 0
+    assert rounded == chained == single
+    # several rounds a plan: a plan's later rounds draft gamma tokens whatever a request has
+    # left, so its last tokens may come from another stream (an accepted draft where one plan
+    # a round verified a capped round and drew the next token from p): the same before them
+    several, _, _ = _run(model_dir, mode, temperature=0.8, rounds_per_plan=4)
+    assert _run.most_rounds > 1
+    tail = SPARSE["gamma"] + 1
+    assert {k: v[:-tail] for k, v in several.items()} == {k: v[:-tail] for k, v in single.items()}
+    assert all(len(v) == 24 for v in several.values())
 
 
 def test_no_chains_per_request(tiny_model_dir):

@@ -139,8 +139,8 @@ class Scheduler:
             self.policy.decide(decoding, caps, self.decode_steps)  # fmt: skip
         actions = dict(zip((r.req_id for r in decoding), decided, strict=True))
         # a draft chain only when nothing else would run (no prefill, nobody waiting: a chain
-        # must not delay admissions); the worker draws its drafts on the device. Its round's
-        # verification in the same plan only for greedy batches (verified on the device too).
+        # must not delay admissions); the worker draws its drafts on the device, and verifies
+        # its round in the same plan (sampled rows too: worker/sampled_rows.py).
         chain, verify_after = 1, False
         if gammas:  # an asynchronous run: every request, its own draft length
             chain = self._async_length(decoding)
@@ -151,9 +151,8 @@ class Scheduler:
             else:
                 chain, verify_after = self.policy.chain_length(decoding, caps, decided)
             # the round's verify rows must fit the step's token budget
-            verify_after &= all(r.sampling.greedy for r in decoding) and \
-                sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
-                    for r in decoding) <= budget  # fmt: skip
+            verify_after &= sum(r.num_tokens - r.num_computed + len(r.drafts) + chain
+                                for r in decoding) <= budget  # fmt: skip
         rounds = self._rounds(decoding, chain) if verify_after else 1
         if decoding:
             self.decode_steps += chain

@@ -44,6 +44,7 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
+from .device_memory import room_for
 from .draft_pages import (
     PageScoreTable,
     choose_top_pages,
@@ -94,6 +95,10 @@ class DraftStepGraphs:
         self.verify = VerifyGraphs(self, selector.uses_scores) if max_steps else None
         self.graphs: dict[tuple, object] = {}  # (n, variant) -> graph
         self.probs: dict[tuple, torch.Tensor] = {}  # (n, variant) -> float32 [n, V]: each q
+        # sampled rounds: n -> float32 [max_steps, n, V], the q of each draft of the round
+        # (made at the bucket's first sampled round, where the memory holds it: ``verifies``)
+        self.q_round: dict[int, torch.Tensor] = {}
+        self.variant = None  # the sampling variant of the rows on the device (None: greedy)
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
         self._key = None
         self._pool_pages = 0
@@ -267,8 +272,12 @@ class DraftStepGraphs:
         variant = sampling_variant(specs)
         sync_tables(self.page_table, self.scores)
         self.ensure(n, variant, kv_caches)
+        if q and variant is not None and n not in self.q_round:
+            self.q_round[n] = torch.zeros(self.max_steps, n, self.model.arch.vocab_size,
+                                          dtype=torch.float32, device=self.pieces.device)
         if q:
-            self.verify.ensure(n, q, kv_caches)
+            self.verify.ensure(n, q, kv_caches, variant)
+        self.variant = variant
         r, sampled = len(rows), [not spec.greedy for spec in specs]
         state = np.zeros((6, n), dtype=np.int64)
         state[0, :r] = [row.token_ids[0] for row in rows]
@@ -325,11 +334,13 @@ class DraftStepGraphs:
         return self._tables_key(kv_caches) == self._key and (n, None) in self.graphs
 
     def ready(self, n: int, steps: int, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether greedy rounds of ``steps`` drafts can replay from the state on the device
-        without a capture (a capture zeroes the state): the tables did not move, the graphs
-        exist."""
-        return self.chain_ready(n, kv_caches) and self.verify is not None \
-            and (n, steps + 1) in self.verify.graphs  # fmt: skip
+        """Whether rounds of ``steps`` drafts can replay from the state on the device (its
+        rows' sampling variant) without a capture (a capture zeroes the state): the tables did
+        not move, the graphs exist."""
+        sync_tables(self.page_table, self.scores)
+        return self._tables_key(kv_caches) == self._key and (n, self.variant) in self.graphs \
+            and self.verify is not None \
+            and (n, steps + 1, self.variant) in self.verify.graphs  # fmt: skip
 
     def stop_rows(self, n: int, keep: list[bool]) -> None:
         """Device rows not in ``keep`` stop (no query, no page, no KV written), from the next
@@ -339,12 +350,19 @@ class DraftStepGraphs:
         self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=False)]
 
     def verifies(self, rows: list[RowPlan], specs: list[SamplingSpec], steps: int) -> bool:
-        """Whether ``run_rounds`` runs these rounds: greedy rows starting fresh rounds
-        (``verify_after`` = [x]) of at most max_steps drafts whose verification has a bucket."""
+        """Whether ``run_rounds`` runs these rounds: rows starting fresh rounds
+        (``verify_after`` = [x]) of at most max_steps drafts whose verification has a bucket;
+        with sampled rows, room for the bucket's ``q_round``."""
         n = self.bucket(len(rows))
         return self.verify is not None and n is not None and 1 <= steps <= self.max_steps \
-            and self.verify.fits(n, steps + 1) and all(spec.greedy for spec in specs) \
-            and all(len(row.verify_after or ()) == 1 for row in rows)  # fmt: skip
+            and self.verify.fits(n, steps + 1) \
+            and all(len(row.verify_after or ()) == 1 for row in rows) \
+            and (sampling_variant(specs) is None or self._q_round_fits(n))  # fmt: skip
+
+    def _q_round_fits(self, n: int) -> bool:
+        """Whether bucket n's ``q_round`` exists or fits (``device_memory.room_for``)."""
+        nbytes = self.max_steps * n * self.model.arch.vocab_size * 4
+        return n in self.q_round or room_for(nbytes, self.pieces.device, self.model.tp)
 
     def run_rounds(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
                    scored: list[bool], steps: int, rounds: int,
@@ -359,16 +377,18 @@ class DraftStepGraphs:
         return self.replay_rounds(n, steps, rounds)
 
     def replay_rounds(self, n: int, steps: int, rounds: int) -> list[torch.Tensor]:
-        """``run_rounds`` from the state on the device (greedy rows in ``row_ids``' places;
-        ``ready``)."""
-        r, state, chain, variant = len(self.row_ids), self.state[n], self.chain[n], None
+        """``run_rounds`` from the state on the device (its rows in ``row_ids``' places;
+        ``ready``); a sampled round keeps each draft step's q for its verification."""
+        r, state, chain, variant = len(self.row_ids), self.state[n], self.chain[n], self.variant
         out = []
         for _ in range(rounds):
             self.start[n].copy_(state[:2])
             for s in range(steps):
                 self.graphs[n, variant].replay()
                 chain[s].copy_(state[0])
-            argmax = self.verify.replay(n, steps + 1)
+                if variant is not None:
+                    self.q_round[n][s].copy_(self.probs[n, variant])
+            argmax = self.verify.replay(n, steps + 1, variant)
             # copied now: the next replay may reuse the graph pool's memory
             out.append(torch.cat([chain[:steps, :r].T.flatten(), argmax[:r].flatten()]))
         self.steps += steps * rounds

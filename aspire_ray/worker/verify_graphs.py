@@ -16,7 +16,10 @@ chain's drafts, copied after each draft step):
              row's first and last query, their mean replacing the row's scores (DESIGN.md §1.2,
              as ``StepBatch._plan_scoring`` plans a verify row)
     accept   greedy: a = the longest prefix of drafts equal to the argmax; the row's state moves
-             to the next round's start: token argmax[a], position p + a + 1
+             to the next round's start: token argmax[a], position p + a + 1. Sampled rows (a
+             graph variant per sampling filter): the argmax becomes each query's choice
+             (``sampled_rows.sampled_choices``, from the q of the round's drafts that the draft
+             graphs kept, ``DraftStepGraphs.q_round``), which the same acceptance reads
 
 so that a plan's rounds replay back to back with one host sync (``DraftStepGraphs.run_rounds``).
 The token rows r * q .. r * q + q - 1 of the bucket's n * q are row r's; tokens past n * q (the
@@ -33,12 +36,13 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 
 from .draft_pages import rescore_first_last
 from .page_table import list_capacity
+from .sampled_rows import sampled_choices
 from .step_rows import accept_rows, plan_rows
 
 if TYPE_CHECKING:
     from aspire_ray.kernels.paged_attention import FixedPlan
 
-_SCORED = 2  # DraftStepGraphs' row flag bit: the request has page scores
+_SCORED, _SAMPLED = 2, 4  # DraftStepGraphs' row flag bits: has page scores; samples
 
 
 class VerifyGraphs:
@@ -48,8 +52,8 @@ class VerifyGraphs:
         score: the page policy reads scores (verify rows rescore their pages)."""
         self.drafts, self.pieces, self.score = drafts, drafts.pieces, score
         self.model = self.pieces.model
-        self.graphs: dict[tuple[int, int], object] = {}  # (n, q) -> graph
-        self.argmax: dict[tuple[int, int], torch.Tensor] = {}  # (n, q) -> int64 [n, q] output
+        self.graphs: dict[tuple, object] = {}  # (n, q, sampling variant) -> graph
+        self.argmax: dict[tuple, torch.Tensor] = {}  # (n, q, variant) -> int64 [n, q] choices
         self.plans: dict[tuple[int, int], FixedPlan] = {}
         self.steps = 0  # verifications replayed
 
@@ -63,23 +67,23 @@ class VerifyGraphs:
         """Whether bucket n's rows of q queries have a token bucket."""
         return self.pieces.bucket(n * q) is not None
 
-    def ensure(self, n: int, q: int, kv_caches: list[torch.Tensor]) -> None:
-        if (n, q) in self.graphs:
+    def ensure(self, n: int, q: int, kv_caches: list[torch.Tensor], variant=None) -> None:
+        if (n, q, variant) in self.graphs:
             return
         p, t = self.pieces, self.pieces.bucket(n * q)
         state, start = self.drafts.state[n], self.drafts.start[n]
         with torch.inference_mode():
             p.inputs_for(t, kv_caches)
-            fn = lambda: self._step(n, q, t, kv_caches)  # noqa: E731
+            fn = lambda: self._step(n, q, t, kv_caches, variant)  # noqa: E731
             graph, out = p.capture_idle(fn, [state, start], "verify")
-        self.graphs[n, q], self.argmax[n, q] = graph, out
+        self.graphs[n, q, variant], self.argmax[n, q, variant] = graph, out
 
-    def replay(self, n: int, q: int) -> torch.Tensor:
-        """Verify bucket n's round -> the argmax, int64 [n, q], in the graphs' shared pool:
-        copy it before the next replay."""
-        self.graphs[n, q].replay()
+    def replay(self, n: int, q: int, variant=None) -> torch.Tensor:
+        """Verify bucket n's round -> the choices (greedy rows' argmax), int64 [n, q], in the
+        graphs' shared pool: copy it before the next replay."""
+        self.graphs[n, q, variant].replay()
         self.steps += 1
-        return self.argmax[n, q]
+        return self.argmax[n, q, variant]
 
     # ---- the captured verification --------------------------------------------------------------
     def _plan(self, n: int, q: int) -> FixedPlan:
@@ -92,9 +96,10 @@ class VerifyGraphs:
                 self.pieces.device, self.drafts.step_graphs.config, q=q)  # fmt: skip
         return self.plans[n, q]
 
-    def _step(self, n: int, q: int, t: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _step(self, n: int, q: int, t: int, kv_caches: list[torch.Tensor],
+              variant) -> torch.Tensor:  # fmt: skip
         d, p = self.drafts, self.pieces
-        ids, pos, slot, flags = d.state[n][:4]
+        ids, pos, slot, flags, top_k, seed = d.state[n]
         start_ids, start_pos = d.start[n]
         table, chain = d.page_table.table, d.chain[n]  # int32 [slots, W]; int64 [D, n]
         ps = kv_caches[0].shape[2]
@@ -122,7 +127,16 @@ class VerifyGraphs:
                           rows[4])  # fmt: skip
             flags.bitwise_or_(rows[5] * _SCORED)
             hidden = d.step_graphs.layers(t, lr + 1, len(layers), meta, kv_caches)
-        argmax = self.model.greedy_tokens(hidden[: n * q])
+        if variant is None:
+            argmax = self.model.greedy_tokens(hidden[: n * q])
+        else:  # every live row verifies its round's q - 1 drafts
+            logits = self.model.compute_logits(hidden[: n * q])  # float32 [n * q, V]
+            live = rows[5] > 0
+            temperature, top_p = d.fstate[n]
+            argmax = sampled_choices(logits, logits.argmax(dim=-1), qo, live.long(),
+                                     live.long() * (q - 1), start_pos, chain,
+                                     (flags & _SAMPLED) > 0, seed, top_k, temperature, top_p,
+                                     variant, d.q_round[n])  # fmt: skip
         accept_rows(argmax, inputs[0, : n * q], qo, rows, ids, pos, start_pos, chain,
                     fused=d.fused_rows)  # fmt: skip
         return argmax.view(n, q)

@@ -50,6 +50,7 @@ from .model_loading import DTYPES, build_model
 from .page_policies import FullPages, make_selector
 from .page_table import PageTable
 from .round_runs import StartedRound, graph_rounds
+from .sampled_rows import host_choices
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
 from .step_resources import StepResources
@@ -333,7 +334,8 @@ class Worker:
                        started: StartedRound | StartedChain | None = None,
                        ) -> StepOutput:  # fmt: skip
         """A draft chain: ``steps`` draft steps of the same rows back to back, then, if the
-        rows say so (``verify_after``, greedy only), their verification. Step s drafts at
+        rows say so (``verify_after``), their verification (sampled rows: by their choices,
+        ``sampled_rows``). Step s drafts at
         position start_pos + s from step s - 1's drafts, which stay on the device, as do the
         verify rows' draft inputs; sampled rows draw on the device too and keep each draft's
         q. Or a decode chain (``ar``: verify rows without drafts): ``steps`` decode steps, each
@@ -347,11 +349,10 @@ class Worker:
             if decode:
                 ok = row.kind == RowKind.VERIFY and row.num_drafts == 0
             else:
-                ok = row.kind == RowKind.DRAFT and (row.verify_after is not None) == verify \
-                    and (not verify or self.requests[row.req_id].sampling.greedy)
+                ok = row.kind == RowKind.DRAFT and (row.verify_after is not None) == verify
             if not ok or row.num_steps != steps:
                 raise ValueError(f"a chain holds draft rows of {steps} steps only (all "
-                                 f"verifying after, greedy, or none) or verify rows without "
+                                 f"verifying after or none) or verify rows without "
                                  f"drafts of {steps} steps, got {row.kind.name} row "
                                  f"{row.req_id!r} of {row.num_steps}")
         rounds = rows[0].num_rounds
@@ -396,7 +397,11 @@ class Worker:
                 np.tile(np.arange(steps), len(rows))  # fmt: skip
             vrows = [row.verify_row([0] * steps) for row in rows]
             logits, batch, _ = self._forward(vrows, (upload(at, self.device), out))
-            out = torch.cat([out, logits.argmax(dim=-1)])
+            choices = logits.argmax(dim=-1)
+            if not all(self.requests[row.req_id].sampling.greedy for row in rows):
+                choices = self._round_choices(rows, vrows, out.view(len(rows), steps), logits,
+                                              choices, batch.logit_offsets)  # fmt: skip
+            out = torch.cat([out, choices])
             refresh += batch.attention.refresh_seconds
         t1 = time.perf_counter()
         flat = out.tolist()  # the chain's one device sync
@@ -412,6 +417,29 @@ class Worker:
                 res.verified = RowResult(row.req_id, RowKind.VERIFY, committed, accepted)
             results.append(res)
         return results, refresh, wait
+
+    def _round_choices(self, rows: list[RowPlan], vrows: list[RowPlan], drafts: torch.Tensor,
+                       logits: torch.Tensor, argmax: torch.Tensor,
+                       offsets: list[int]) -> torch.Tensor:  # fmt: skip
+        """The choices of a round's verify rows with sampled requests among them
+        (``sampled_rows.host_choices``): drafts int64 [R, steps] the chain's, after each row's
+        drafts held before it; the q of all of them in ``draft_probs``, which the verification
+        empties."""
+        reqs = [self.requests[row.req_id] for row in rows]
+        held = [row.num_drafts for row in vrows]
+        chain = torch.zeros(max(held) + 1, len(rows), dtype=torch.int64, device=self.device)
+        for r, row in enumerate(rows):
+            known = row.verify_after[1:]
+            if known:
+                chain[: len(known), r] = torch.tensor(known, device=self.device)
+            chain[len(known) : held[r], r] = drafts[r]
+        choices, _ = host_choices(logits, argmax, offsets, [True] * len(rows), held,
+                                  [row.start_pos for row in vrows], chain,
+                                  [req.sampling for req in reqs],
+                                  [req.draft_probs[: h] for req, h in zip(reqs, held, strict=True)])
+        for req in reqs:
+            req.draft_probs.clear()
+        return choices
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
         """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
