@@ -264,13 +264,14 @@ def profile_kernels(engine, steps: int, finished: dict, top: int = 25) -> dict:
 
     t0 = time.perf_counter()
     done = 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         while done < steps and engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
             done += 1
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()

@@ -24,3 +24,24 @@ def test_a_sampled_sweep_with_top_p_and_top_k_runs_on_cpu(tmp_path):
     assert (data["args"]["top_p"], data["args"]["top_k"]) == (0.9, 5)
     assert [r["mode"] for r in data["results"]] == ["ar", "magicdec"]
     assert all(r["tokens"] > 0 for r in data["results"])
+
+
+def test_profile_kernels_steps_the_engine_and_reports(tiny_model_dir):
+    # bench_decode --profile-steps: N engine steps under torch's profiler, outputs kept (on
+    # the CPU no kernel has GPU time: the report's kernels are empty, its steps counted)
+    from helpers import random_prompts, scripts_imported
+
+    from aspire_ray import SamplingParams
+    from aspire_ray.engine.engine import LLMEngine
+    from aspire_ray.llm import build_engine_config
+
+    engine = LLMEngine(build_engine_config(tiny_model_dir("llama"), spec_mode="ar",
+                                           num_pages=64, calibrate="off"))  # fmt: skip
+    for i, prompt in enumerate(random_prompts(2, [8, 12], vocab=256, seed=1)):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    with scripts_imported("bench_decode") as (bench_decode,):
+        report = bench_decode.profile_kernels(engine, 50, finished)
+    assert 1 <= report["steps"] < 50 and not engine.has_unfinished()  # the batch's end
+    assert set(finished) == {"p0", "p1"} and report["wall_ms"] > 0
+    assert report["kernel_ms"] == sum(k["ms"] for k in report["top"])
