@@ -38,16 +38,30 @@ def _mix32(x):
 
 
 @triton.jit
+def key_of(seed, pos, stream):
+    """``sampler.row_keys`` of int64 values (seed >= 0): uint32."""
+    k = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
+    k = _mix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    k = _mix32(k ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+    return _mix32(k ^ ((stream.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def uniform_of(key, cols):
+    """``sampler.uniform``'s float64 for (row key uint32, vocab ids int32)."""
+    a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
+    b = _mix32(a ^ 0x68E31DA4)
+    bits = (a >> 5).to(tl.int64) * 67108864 + (b >> 6).to(tl.int64)  # 53 random bits
+    return (bits.to(tl.float64) + 0.5) / 9007199254740992.0
+
+
+@triton.jit
 def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.constexpr):
     """``sampler.row_keys`` of row t: seed and position int64 [N] (seed >= 0), the stream one
     for all rows or int64 [N]."""
-    seed = tl.load(seed_ptr + t)
     if STREAM_PER_ROW:
         stream = tl.load(stream_ptr + t)
-    k = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
-    k = _mix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    k = _mix32(k ^ (tl.load(pos_ptr + t) & 0xFFFFFFFF).to(tl.uint32))
-    return _mix32(k ^ ((stream.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32))
+    return key_of(tl.load(seed_ptr + t), tl.load(pos_ptr + t), stream)
 
 
 @triton.jit(do_not_specialize=["stream"])  # Stream.DRAFT is 1: a runtime int, not constexpr 1
@@ -61,11 +75,7 @@ def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, str
     w = tl.load(w_ptr + t * stride_w + cols, mask=ok, other=0.0)
     # the noise of sampler.uniform for (row key, column)
     key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
-    a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
-    b = _mix32(a ^ 0x68E31DA4)
-    bits = (a >> 5).to(tl.int64) * 67108864 + (b >> 6).to(tl.int64)  # 53 random bits
-    u = (bits.to(tl.float64) + 0.5) / 9007199254740992.0
-    expo = -tl.log(u)
+    expo = -tl.log(uniform_of(key, cols))
     ratio = tl.where(ok, w.to(tl.float64) / expo, -1.0)
     best = tl.max(ratio, 0)
     at = t * (2 if HAS_MINUS else 1) * n_chunks + c  # [N, lanes, n_chunks]: lane 0 races w

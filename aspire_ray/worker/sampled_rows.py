@@ -28,10 +28,27 @@ from __future__ import annotations
 
 import torch
 
+from aspire_ray.model.rotary import fused_ops
 from aspire_ray.plan import Stream
 
 from . import sampler
 from .rejection_sampler import without_rejected
+
+
+def rejected_at_ref(probs: torch.Tensor, q_store: torch.Tensor, chain: torch.Tensor,
+                    row: torch.Tensor, j: torch.Tensor, checks: torch.Tensor,
+                    seed: torch.Tensor, x_pos: torch.Tensor,
+                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each query's acceptance test (``kernels/accept.py``'s reference): probs [t, V], q_store
+    [D, n, V], chain [D, n], row / j / checks [t], seed / x_pos / held [n] -> (j where query
+    j of its row tests its draft d_{j+1} and rejects it, u * q(d) > p(d) with u on the ACCEPT
+    stream at x_pos + 1 + j, else held[row]; the draft it tests, chain[min(j, D - 1), row])."""
+    jc = j.clamp(max=chain.shape[0] - 1)
+    token = chain[jc, row]
+    p_tok = probs[torch.arange(len(j), device=j.device), token].double()
+    q_tok = q_store[jc, row, token].double()
+    u = sampler.uniform(seed[row], x_pos[row] + 1 + j, int(Stream.ACCEPT), 1)[:, 0]
+    return torch.where(checks & (u * q_tok > p_tok), j, held[row]), token
 
 
 def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor,
@@ -71,13 +88,11 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
 
     # verify rows: the first rejected draft, a [n] (d where none is)
     d = torch.where(verifying, held, 0)
-    jc = j.clamp(max=depth - 1)
-    token = chain[jc, row]  # [t] the draft query j checks, d_{j+1}
-    p_tok = probs[i, token].double()
-    q_tok = q_store[jc, row, token].double()
-    u = sampler.uniform(seed[row], x_pos[row] + 1 + j, int(Stream.ACCEPT), 1)[:, 0]
     checks = live & verifying[row] & (j < d[row])
-    rejected_at = torch.where(checks & (u * q_tok > p_tok), j, d[row])
+    fn = rejected_at_ref
+    if fused_ops(probs):
+        from aspire_ray.kernels.accept import rejected_at as fn
+    rejected_at, token = fn(probs, q_store, chain, row, j, checks, seed, x_pos, d)
     a = d.scatter_reduce(0, row, rejected_at, reduce="amin")
     # the last token: from the residual at the first rejection, else from p_d
     residual = sampled & verifying & (a < d)

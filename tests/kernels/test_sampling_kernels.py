@@ -138,3 +138,30 @@ def test_the_filter_reads_bf16_logits_and_rejects_bad_input():
     with pytest.raises(ValueError, match="seeds must be int64"):
         race_rows(torch.zeros(2, 3, device=DEVICE), torch.zeros(2, device=DEVICE),
                   torch.zeros(2, dtype=torch.int64, device=DEVICE), Stream.TARGET)
+
+
+@pytest.mark.parametrize("t", [5, 300])
+def test_the_acceptance_test_is_the_references(t):
+    # kernels/accept.py against sampled_rows.rejected_at_ref: the same uniform (bit for bit),
+    # the same rejections; queries that test no draft take their row's held count
+    from aspire_ray.kernels.accept import rejected_at
+    from aspire_ray.worker.sampled_rows import rejected_at_ref
+
+    gen = torch.Generator().manual_seed(t)
+    n, depth, v = 7, 4, 333
+    probs = torch.softmax(2 * torch.randn(t, v, generator=gen), dim=-1)
+    q_store = torch.softmax(2 * torch.randn(depth, n, v, generator=gen), dim=-1)
+    chain = torch.randint(0, v, (depth, n), generator=gen)
+    row = torch.randint(0, n, (t,), generator=gen)
+    j = torch.randint(0, depth + 2, (t,), generator=gen)  # past the depth: clamped
+    held = torch.randint(0, depth + 1, (n,), generator=gen)
+    checks = (j < held[row]) & (torch.rand(t, generator=gen) < 0.9)
+    seed = torch.randint(0, 2**40, (n,), generator=gen)
+    x_pos = torch.randint(0, 10**6, (n,), generator=gen)
+    args = (probs, q_store, chain, row, j, checks, seed, x_pos, held)
+    ref = rejected_at_ref(*args)
+    got = rejected_at(*(x.to(DEVICE) for x in args))
+    assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
+    if t > 100:  # both outcomes
+        rejected = ref[0] != held[row]
+        assert 0 < int(rejected.sum()) < int(checks.sum())
