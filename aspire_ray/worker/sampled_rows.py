@@ -21,7 +21,8 @@ everywhere: impossible in exact arithmetic) the draw falls back to p without the
 draft, here and in the reference alike.
 
 Every operation is a tensor op over fixed shapes (capturable): the step's [t, V] probabilities
-once, two draws over [n, V] rows (``sampler``: Triton kernels on a GPU).
+once, two draws over [n, V] rows (``sampler``: Triton kernels on a GPU), the acceptance test
+(``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere).
 """
 
 from __future__ import annotations
