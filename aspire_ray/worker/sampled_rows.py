@@ -119,9 +119,11 @@ def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
     drafts, D > every draft row's held. -> (the choices, each sampled draft row's new q, its
     own copy, None for the other rows)."""
     n, dev = len(specs), logits.device
-    q_store = torch.zeros(chain.shape[0], n, logits.shape[1], dtype=torch.float32, device=dev)
+    # only the verify rows' q are read (a draft row's are written at [held]): the rest is
+    # left unset, not zeroed (tens of MB a step on a CPU at 64 rows)
+    q_store = torch.empty(chain.shape[0], n, logits.shape[1], dtype=torch.float32, device=dev)
     for r, q in enumerate(qs):
-        if q:
+        if q and verify[r]:
             q_store[: len(q), r] = torch.stack(q)
 
     def ints(xs):
