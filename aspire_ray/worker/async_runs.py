@@ -33,7 +33,7 @@ from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 from . import rejection_sampler
 from .device_result import DeviceResult
 from .graph_clock import CLOCK
-from .sampled_rows import host_choices
+from .sampled_rows import chain_of, host_choices
 
 
 class AsyncTrack:
@@ -153,10 +153,7 @@ def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int]
     verification empties it."""
     held = [len(t.known) - 1 for t in tracks]
     verify = [t.kinds[step] >= 0 for t in tracks]
-    chain = torch.zeros(max(held) + 1, len(tracks), dtype=torch.int64, device=logits.device)
-    for r, t in enumerate(tracks):
-        if held[r]:
-            chain[: held[r], r] = torch.tensor(t.known[1:], device=logits.device)
+    chain = chain_of([t.known[1:] for t in tracks], logits.device)
     choices, new_q = host_choices(logits, argmax, offsets, verify, held,
                                   [t.x_pos for t in tracks], chain, specs,
                                   [t.q for t in tracks])  # fmt: skip

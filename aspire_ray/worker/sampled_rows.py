@@ -27,8 +27,10 @@ once, two draws over [n, V] rows (``sampler``: Triton kernels on a GPU), the acc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from aspire_ray.kernels.host import upload
 from aspire_ray.model.rotary import fused_ops
 from aspire_ray.plan import Stream
 
@@ -109,6 +111,15 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     return torch.where(in_verify & (j == a[row]), final[row], choice)
 
 
+def chain_of(drafts: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Each row's drafts held (host lists) as ``sampled_choices``' chain, int64 [D, n] with D
+    one more than the most any row holds (a draft row writes its q at [held]), one upload."""
+    chain = np.zeros((max(map(len, drafts), default=0) + 1, len(drafts)), dtype=np.int64)
+    for r, row in enumerate(drafts):
+        chain[: len(row), r] = row
+    return upload(chain, device)
+
+
 def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
                  verify: list[bool], held: list[int], x_pos: list[int], chain: torch.Tensor,
                  specs: list,
@@ -126,18 +137,13 @@ def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
         if q and verify[r]:
             q_store[: len(q), r] = torch.stack(q)
 
-    def ints(xs):
-        return torch.tensor(xs, dtype=torch.int64, device=dev)
-
-    def floats(xs):
-        return torch.tensor(xs, dtype=torch.float32, device=dev)
-
+    ints, floats = sampler.i64, sampler.f32  # through pinned memory: no sync each
     choices = sampled_choices(
-        logits, argmax, ints(offsets), ints([int(v) for v in verify]), ints(held), ints(x_pos),
-        chain, torch.tensor([not s.greedy for s in specs], device=dev),
-        ints([s.seed for s in specs]), ints([s.top_k for s in specs]),
-        floats([1.0 if s.greedy else s.temperature for s in specs]),
-        floats([s.top_p for s in specs]), sampler.need_flags(specs), q_store)
+        logits, argmax, ints(offsets, dev), ints([int(v) for v in verify], dev),
+        ints(held, dev), ints(x_pos, dev), chain, ints([not s.greedy for s in specs], dev) > 0,
+        ints([s.seed for s in specs], dev), ints([s.top_k for s in specs], dev),
+        floats([1.0 if s.greedy else s.temperature for s in specs], dev),
+        floats([s.top_p for s in specs], dev), sampler.need_flags(specs), q_store)
     new_q = [None if s.greedy or v else q_store[h, r].clone()
              for r, (s, v, h) in enumerate(zip(specs, verify, held, strict=True))]  # fmt: skip
     return choices, new_q

@@ -50,7 +50,7 @@ from .model_loading import DTYPES, build_model
 from .page_policies import FullPages, make_selector
 from .page_table import PageTable
 from .round_runs import StartedRound, graph_rounds
-from .sampled_rows import host_choices
+from .sampled_rows import chain_of, host_choices
 from .step_batch import StepBatch
 from .step_graphs import StepGraphs
 from .step_resources import StepResources
@@ -427,12 +427,12 @@ class Worker:
         empties."""
         reqs = [self.requests[row.req_id] for row in rows]
         held = [row.num_drafts for row in vrows]
-        chain = torch.zeros(max(held) + 1, len(rows), dtype=torch.int64, device=self.device)
-        for r, row in enumerate(rows):
-            known = row.verify_after[1:]
-            if known:
-                chain[: len(known), r] = torch.tensor(known, device=self.device)
-            chain[len(known) : held[r], r] = drafts[r]
+        # the drafts held before the chain (host), then the chain's (device) after them
+        chain = chain_of([row.verify_after[1:] for row in rows], self.device)
+        known = np.array([len(row.verify_after) - 1 for row in rows], dtype=np.int64)
+        at = upload(known[None, :] + np.arange(drafts.shape[1])[:, None], self.device)
+        chain = torch.cat([chain, chain.new_zeros(drafts.shape[1], len(rows))]).scatter_(
+            0, at, drafts.T.contiguous())  # [D, R]
         choices, _ = host_choices(logits, argmax, offsets, [True] * len(rows), held,
                                   [row.start_pos for row in vrows], chain,
                                   [req.sampling for req in reqs],
