@@ -349,6 +349,12 @@ class EngineConfig:
     # itself on the device (worker/verify_graphs.py), so a plan's rounds replay back to back
     # with one host sync; False: the host plans each round's verification.
     verify_graphs: bool = True
+    # The sampling variants of the self-planning graphs (an asynchronous run's steps, a
+    # round's verification) captured at start-up beside the greedy ones, where the device
+    # holds their store of the drafts' q (worker/device_memory.RowStore); False: each at its
+    # first sampled use, a capture (~70 ms on an H100 at Qwen2.5-0.5B's shapes) inside a
+    # running batch's steps.
+    sampled_graphs_at_start: bool = True
     # The self-planning graphs plan their rows (tokens, page lists) and accept in one Triton
     # launch each (kernels/row_plan.py); False: the tensor ops of its reference, ~60-90 small
     # kernels a step (kept to measure the difference in one run).

@@ -36,7 +36,9 @@ def _rejected_at_kernel(p_ptr, q_ptr, chain_ptr, row_ptr, j_ptr, check_ptr, seed
     check = ok & (tl.load(check_ptr + i, mask=ok, other=0) != 0)
     tok = tl.load(chain_ptr + jc * stride_c + row, mask=ok, other=0)
     p = tl.load(p_ptr + i.to(tl.int64) * stride_p + tok, mask=check, other=0.0)
-    q = tl.load(q_ptr + jc * stride_qd + row * stride_qn + tok, mask=check, other=0.0)
+    # int64 offsets: a store of 512 rows x 16 drafts of a 152k vocabulary is past 2^31 floats
+    q = tl.load(q_ptr + jc.to(tl.int64) * stride_qd + row.to(tl.int64) * stride_qn + tok,
+                mask=check, other=0.0)  # fmt: skip
     pos = tl.load(xpos_ptr + row, mask=ok, other=0) + 1 + j
     key = key_of(tl.load(seed_ptr + row, mask=ok, other=0), pos, tl.full([BLOCK], STREAM,
                                                                       tl.int64))  # fmt: skip

@@ -100,6 +100,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "homogeneous": {"gamma_pricing": "homogeneous"},
     # sampled requests' draft lengths moved to the verify slots too (SpecConfig.slot_sampled)
     "slotsampled": {"slot_sampled": True},
+    # sampled graph variants captured at their first use, not at start-up
+    # (EngineConfig.sampled_graphs_at_start)
+    "lazysampled": {"sampled_graphs_at_start": False},
 }
 
 
@@ -255,10 +258,11 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
             "breakdown": breakdown}
 
 
-def profile_kernels(engine, steps: int, finished: dict, top: int = 25) -> dict:
+def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
     """``steps`` engine steps (or fewer: the batch's end) under torch's profiler -> the wall
-    seconds, the GPU kernels' total and the ``top`` kernels by GPU time (name, ms, calls).
-    Finished requests' outputs go to ``finished``."""
+    seconds, the GPU kernels' total and count (``launches``: kernels and copies) and the
+    ``top`` kernels by GPU time (name, ms, calls). Finished requests' outputs go to
+    ``finished``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -278,9 +282,11 @@ def profile_kernels(engine, steps: int, finished: dict, top: int = 25) -> dict:
             if e.self_device_time_total > 0]  # fmt: skip
     rows.sort(key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    report = {"steps": done, "wall_ms": wall * 1e3, "kernel_ms": total,
+    launches = sum(c for _, _, c in rows)
+    report = {"steps": done, "wall_ms": wall * 1e3, "kernel_ms": total, "launches": launches,
               "top": [{"name": k[:100], "ms": ms, "calls": c} for k, ms, c in rows[:top]]}
-    print(f"profiled {done} steps: wall {wall * 1e3:.1f} ms, GPU kernels {total:.1f} ms")
+    print(f"profiled {done} steps: wall {wall * 1e3:.1f} ms, GPU kernels {total:.1f} ms, "
+          f"{launches} launches")
     for r in report["top"]:
         print(f"  {r['ms']:8.2f} ms {r['calls']:6d}x  {r['name']}")
     return report
@@ -505,6 +511,7 @@ def main() -> None:
     report = {"args": vars(args), "results": []}
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+        startup_s: dict[str, float] = {}  # mode -> seconds its LLM took to build
         traces = Traces({}, {}, [])
         for mode in modes:
             kw = {"model": args.model, "load_format": args.load_format, **extra}
@@ -514,9 +521,11 @@ def main() -> None:
                 # prompts faster (the decode window is what is timed; never in det modes)
                 options["attention_options"] = {**options.get("attention_options", {}),
                                                  "prefill_sdpa": args.prefill_sdpa}
+            built = time.perf_counter()  # start-up: load, KV pool, calibration, captures
             llm = LLM(device=args.device, dtype=args.dtype, spec_mode=spec_mode,
                       attention_backend=args.attention_backend, max_num_seqs=max_seqs,
                       max_num_batched_tokens=args.max_batched_tokens, **options, **kw)
+            startup_s[mode] = time.perf_counter() - built
             tok = llm.tokenizer
             if args.batch != "max":
                 batch = int(args.batch)
@@ -577,7 +586,8 @@ def main() -> None:
                     summaries[mode]["token_ids"], ref["token_ids"])  # fmt: skip
         for mode in modes:
             s = summaries[mode]
-            s.update(context=ctx, batch=len(s["token_ids"]), device=info.device_name)
+            s.update(context=ctx, batch=len(s["token_ids"]), device=info.device_name,
+                     startup_s=startup_s[mode])  # fmt: skip
             del s["token_ids"]
             report["results"].append(s)
             if mode in traces.modes:

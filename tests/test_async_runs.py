@@ -304,6 +304,27 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     assert {t for n, t, _ in graphs.graphs if n == 4} == {4, 8, 16}
 
 
+def test_sampled_variants_are_captured_up_front_over_one_q_store(tiny_model_dir):
+    # with sampled_graphs_at_start (the worker's warm-up) every sampling variant is captured
+    # beside the greedy graphs, so a sampled run captures nothing inside a batch's steps; every
+    # row bucket's q store is a view of one store (and one snapshot), not a store of its own
+    from aspire_ray.worker.draft_graphs import SAMPLED_VARIANTS
+
+    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
+    graphs = use_eager_graphs(engine).async_graphs
+    graphs.capture_all(4, engine.executor.worker.kv_caches, sampled=True)
+    greedy = {(n, t) for n, t, v in graphs.graphs if v is None}
+    assert {(n, t, v) for n, t in greedy for v in SAMPLED_VARIANTS} < set(graphs.graphs)
+    store, snap = graphs.rows_q.data
+    for n in graphs.q_store:
+        assert graphs.q_store[n].data_ptr() == store.data_ptr() and graphs.q_store[n].shape[1] == n
+        assert graphs.q_snap[n].data_ptr() == snap.data_ptr()
+    captured = set(graphs.graphs)
+    out = _mixed(engine, max_tokens=12)
+    assert set(graphs.graphs) == captured, "a sampled run captured a graph"
+    assert graphs.steps >= 12 and [len(t) for t in out.values()] == [12, 15, 18, 21]
+
+
 def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
     # the store of the drafts' q is made at a bucket's first sampled run, after the KV pool
     # took its share: where it would not fit, the run is planned on the host (no OOM)
@@ -314,7 +335,7 @@ def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
     layout = [[1, 1], [2, 1]]
     assert graphs.fits(2, layout, sampled=True)
     monkeypatch.setattr(device_memory, "free_device_bytes",
-                        lambda device: graphs.q_store_bytes(2))  # fmt: skip
+                        lambda device: graphs.rows_q.nbytes)  # fmt: skip
     assert graphs.fits(2, layout) and not graphs.fits(2, layout, sampled=True)
     out = _mixed(engine, max_tokens=6)  # host-planned sampled runs
     assert all(v is None for _, _, v in graphs.graphs), "a sampled graph variant was captured"

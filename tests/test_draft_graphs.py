@@ -90,3 +90,23 @@ def test_round_graphs_verify_as_planned_steps(tiny_model_dir):
     assert w.draft_graphs.verify.steps > 4, "too few verifications replayed by the graphs"
     assert drafted == planned and len(planned) > 3  # the same drafts, round by round
     assert got == expected
+
+
+def test_sampled_verifications_are_captured_up_front_over_one_q_store(tiny_model_dir):
+    # sampled_graphs_at_start: each bucket's round verification is captured at start-up in
+    # every sampling variant too; every bucket's q_round is a view of one store
+    from aspire_ray.worker.draft_graphs import SAMPLED_VARIANTS
+
+    cfg = build_engine_config(tiny_model_dir("llama_3l"), spec_mode="aspire_fixed",
+                              max_num_batched_tokens=64, num_pages=120, max_num_seqs=4,
+                              page_size=4, calibrate="off", **SPARSE)  # fmt: skip
+    engine = LLMEngine(cfg)
+    d = use_eager_graphs(engine).draft_graphs
+    q = cfg.spec.gamma + 1
+    d.capture_all(engine.executor.worker.kv_caches, verify_steps=cfg.spec.gamma, sampled=True)
+    verified = {n for n, _, _ in d.verify.graphs}
+    assert verified and {(n, q, v) for n in verified for v in [None, *SAMPLED_VARIANTS]} \
+        == set(d.verify.graphs)  # fmt: skip
+    store = d.rounds_q.data[0]
+    assert set(d.q_round) == verified
+    assert all(d.q_round[n].data_ptr() == store.data_ptr() for n in verified)

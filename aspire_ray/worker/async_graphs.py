@@ -46,8 +46,8 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
-from .device_memory import room_for
-from .draft_graphs import sampling_variant
+from .device_memory import RowStore
+from .draft_graphs import SAMPLED_VARIANTS, sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_policies import PageSelector
 from .page_table import PageTable, list_capacity
@@ -82,14 +82,18 @@ class AsyncStepGraphs:
         self.state: dict[int, torch.Tensor] = {}
         self.chain: dict[int, torch.Tensor] = {}  # n -> int64 [max_drafts, n]: pending drafts
         # sampled rows (``sampled_rows``): n -> int64 [2, n] seed, top_k; float32 [2, n]
-        # temperature, top_p; float32 [max_drafts, n, V] the q of each pending draft (made at
-        # the first sampled capture of bucket n: 0.6 GB at 64 rows of Qwen2.5's vocabulary)
+        # temperature, top_p; float32 [max_drafts, n, V] the q of each pending draft, and the
+        # store as a run left it (``snapshot_q``: the next run's first steps may rewrite it
+        # before the host knows which drafts the rows hold). Every bucket's store and snapshot
+        # view one pair (``rows_q``), made at the first sampled capture: 1.2 GB for 64 rows of
+        # Qwen2.5's vocabulary
         self.sstate: dict[int, torch.Tensor] = {}
         self.fstate: dict[int, torch.Tensor] = {}
-        self.q_store: dict[int, torch.Tensor] = {}
-        # n -> the store as a run left it (``snapshot_q``): the next run's first steps may
-        # rewrite the store before the host knows which drafts the rows hold
-        self.q_snap: dict[int, torch.Tensor] = {}
+        self.rows_q = RowStore(max_drafts, self.row_buckets[-1] if self.row_buckets else 1,
+                               self.model.arch.vocab_size, self.pieces.device, self.model.tp,
+                               copies=2)  # fmt: skip
+        self.q_store: dict[int, torch.Tensor] = {}  # n -> rows_q's store, [:, :n]
+        self.q_snap: dict[int, torch.Tensor] = {}  # n -> its snapshot, [:, :n]
         # the rows on the device: their sampling variant (None: greedy) and row bucket
         self.variant, self.loaded = None, 0
         self.graphs: dict[tuple, object] = {}  # (n, t, variant) -> graph
@@ -112,20 +116,15 @@ class AsyncStepGraphs:
         n = next((b for b in self.row_buckets if b >= rows), None)
         return n is not None and all(self.pieces.bucket(sum(q)) is not None for q in layout) \
             and max(max(q) for q in layout) <= self.max_q \
-            and (not sampled or self.q_store_fits(n))  # fmt: skip
+            and (not sampled or self.q_store_fits())  # fmt: skip
 
-    def q_store_bytes(self, n: int) -> int:
-        """The bytes of bucket n's q store and its snapshot: float32 [max_drafts, n, V] each."""
-        return 2 * max(self.max_drafts, 1) * n * self.model.arch.vocab_size * 4
-
-    def q_store_fits(self, n: int) -> bool:
-        """Whether bucket n's q store exists or fits in the device's free memory on every
-        shard (``device_memory.room_for``). It is made at the first sampled run of its bucket,
-        after the KV pool took its share: 1.2 GB at 64 rows of Qwen2.5's vocabulary, 10 GB at
-        512. A run it does not fit is planned on the host (slower; a step's q then live for
-        that step only), never an out-of-memory error."""
-        return n in self.q_store or room_for(self.q_store_bytes(n), self.pieces.device,
-                                              self.model.tp)  # fmt: skip
+    def q_store_fits(self) -> bool:
+        """Whether the q store exists or fits in the device's free memory on every shard
+        (``device_memory.room_for``). It is made at the first sampled capture (at start-up,
+        or a run's), after the KV pool took its share: 1.2 GB at 64 rows of Qwen2.5's
+        vocabulary, 10 GB at 512. A run it does not fit is planned on the host (slower; a
+        step's q then live for that step only), never an out-of-memory error."""
+        return self.rows_q.fits()
 
     # ---- capture -------------------------------------------------------------------------------
     def _tables_key(self, kv_caches: list[torch.Tensor]) -> tuple:
@@ -155,27 +154,31 @@ class AsyncStepGraphs:
             if variant is not None and n not in self.q_store:
                 self.sstate[n] = torch.zeros(2, n, dtype=torch.int64, device=p.device)
                 self.fstate[n] = torch.ones(2, n, dtype=torch.float32, device=p.device)
-                self.q_store[n] = torch.zeros(depth, n, self.model.arch.vocab_size,
-                                              dtype=torch.float32, device=p.device)  # fmt: skip
-                self.q_snap[n] = torch.zeros_like(self.q_store[n])
+                self.q_store[n], self.q_snap[n] = self.rows_q.view(n, 0), self.rows_q.view(n, 1)
             self._layout(self.page_table.table.shape[1])
             fn = lambda: self._step(n, t, kv_caches, variant)  # noqa: E731
             graph, out = p.capture_idle(fn, [self.state[n]], "async")
         self.graphs[n, t, variant], self.argmax[n, t, variant] = graph, out
 
-    def capture_all(self, rows: int, kv_caches: list[torch.Tensor]) -> None:
+    def capture_all(self, rows: int, kv_caches: list[torch.Tensor],
+                    sampled: bool = False) -> None:  # fmt: skip
         """The graphs of every row bucket up to ``rows`` rows at every token bucket its runs
-        may fill, largest first. A batch shrinks as its requests finish, and a graph captured
-        on first use costs its capture, and on a process's first use of a row bucket the
-        compiles of its kernel variants (~1 s each), inside a running batch's steps
-        (docs/benchmarks.md §8.23: the first ``aspire`` mode of a benchmark run)."""
+        may fill, largest first; with ``sampled``, every sampling variant's too where the q
+        store fits. A batch shrinks as its requests finish, and a graph captured on first use
+        costs its capture (~70 ms on an H100 at Qwen's shapes: docs/benchmarks.md §8.47), and
+        on a process's first use of a row bucket the compiles of its kernel variants (~1 s
+        each), inside a running batch's steps (§8.23: the first ``aspire`` mode of a benchmark
+        run)."""
         top = next((b for b in self.row_buckets if b >= rows), None)
         if top is None:
             return
+        variants = [None] + (SAMPLED_VARIANTS if sampled else [])
         for n in reversed([b for b in self.row_buckets if b <= top]):
             for t in reversed(self.pieces.buckets):
                 if n <= t <= n * self.max_q:
-                    self.ensure(n, t, kv_caches)
+                    for variant in variants:
+                        if variant is None or self.q_store_fits():
+                            self.ensure(n, t, kv_caches, variant)
 
     def _plan(self, n: int, t: int, full: bool) -> FixedPlan:
         if (n, t, full) not in self.plans:

@@ -44,7 +44,7 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
-from .device_memory import room_for
+from .device_memory import RowStore
 from .draft_pages import (
     PageScoreTable,
     choose_top_pages,
@@ -64,6 +64,7 @@ _LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores
 # A graph variant: None (every row greedy) or the (need_k, need_p) of its sampling
 # (``sampler.probs_from_logits``); a bucket has all five.
 VARIANTS = [None, (False, False), (True, False), (False, True), (True, True)]
+SAMPLED_VARIANTS = VARIANTS[1:]
 
 
 class DraftStepGraphs:
@@ -95,8 +96,12 @@ class DraftStepGraphs:
         self.verify = VerifyGraphs(self, selector.uses_scores) if max_steps else None
         self.graphs: dict[tuple, object] = {}  # (n, variant) -> graph
         self.probs: dict[tuple, torch.Tensor] = {}  # (n, variant) -> float32 [n, V]: each q
-        # sampled rounds: n -> float32 [max_steps, n, V], the q of each draft of the round
-        # (made at the bucket's first sampled round, where the memory holds it: ``verifies``)
+        # sampled rounds: n -> float32 [max_steps, n, V], the q of each draft of the round,
+        # every bucket a view of one store (``rounds_q``) made at the first sampled round's
+        # capture, where the memory holds it (``verifies``)
+        self.rounds_q = RowStore(max_steps, self.buckets[-1] if self.buckets else 1,
+                                 self.model.arch.vocab_size, self.pieces.device,
+                                 self.model.tp)  # fmt: skip
         self.q_round: dict[int, torch.Tensor] = {}
         self.variant = None  # the sampling variant of the rows on the device (None: greedy)
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
@@ -137,14 +142,19 @@ class DraftStepGraphs:
         if (n, variant) not in self.graphs:
             self._capture(n, variant, kv_caches)
 
-    def capture_all(self, kv_caches: list[torch.Tensor], verify_steps: int = 0) -> None:
-        """Every bucket's graphs; with verify_steps, the verification of chains that long."""
+    def capture_all(self, kv_caches: list[torch.Tensor], verify_steps: int = 0,
+                    sampled: bool = False) -> None:  # fmt: skip
+        """Every bucket's graphs; with verify_steps, the verification of chains that long, and
+        with ``sampled`` its sampling variants' too, where the q store fits."""
         for n in reversed(self.buckets):
             for variant in VARIANTS:
                 self.ensure(n, variant, kv_caches)
             if self.verify is not None and 1 <= verify_steps <= self.max_steps \
                     and self.verify.fits(n, verify_steps + 1):  # fmt: skip
                 self.verify.ensure(n, verify_steps + 1, kv_caches)
+                for variant in SAMPLED_VARIANTS if sampled and self._q_round_fits(n) else []:
+                    self._round_q(n)
+                    self.verify.ensure(n, verify_steps + 1, kv_caches, variant)
 
     def _plan(self, n: int, full: bool) -> FixedPlan:
         """The attention plan of bucket n's sparse (full=False) or full lists."""
@@ -272,9 +282,8 @@ class DraftStepGraphs:
         variant = sampling_variant(specs)
         sync_tables(self.page_table, self.scores)
         self.ensure(n, variant, kv_caches)
-        if q and variant is not None and n not in self.q_round:
-            self.q_round[n] = torch.zeros(self.max_steps, n, self.model.arch.vocab_size,
-                                          dtype=torch.float32, device=self.pieces.device)
+        if q and variant is not None:
+            self._round_q(n)
         if q:
             self.verify.ensure(n, q, kv_caches, variant)
         self.variant = variant
@@ -360,9 +369,15 @@ class DraftStepGraphs:
             and (sampling_variant(specs) is None or self._q_round_fits(n))  # fmt: skip
 
     def _q_round_fits(self, n: int) -> bool:
-        """Whether bucket n's ``q_round`` exists or fits (``device_memory.room_for``)."""
-        nbytes = self.max_steps * n * self.model.arch.vocab_size * 4
-        return n in self.q_round or room_for(nbytes, self.pieces.device, self.model.tp)
+        """Whether the rounds' q store exists or fits (``device_memory.RowStore``): the
+        same for every bucket n."""
+        return self.rounds_q.fits()
+
+    def _round_q(self, n: int) -> torch.Tensor:
+        """Bucket n's ``q_round``, a view of the one store (made at its first need)."""
+        if n not in self.q_round:
+            self.q_round[n] = self.rounds_q.view(n)
+        return self.q_round[n]
 
     def run_rounds(self, rows: list[RowPlan], specs: list[SamplingSpec], slots: list[int],
                    scored: list[bool], steps: int, rounds: int,

@@ -516,11 +516,13 @@ class Worker:
             try:
                 self.graphs.capture_all(self.kv_caches)
                 self.step_graphs.capture_all(self.kv_caches)
+                sampled = self.cfg.sampled_graphs_at_start
                 if self.draft_graphs is not None:
-                    self.draft_graphs.capture_all(self.kv_caches, verify_steps=spec.gamma)
+                    self.draft_graphs.capture_all(self.kv_caches, verify_steps=spec.gamma,
+                                                  sampled=sampled)  # fmt: skip
                 if self.async_graphs is not None:
                     self.async_graphs.capture_all(self.cfg.scheduler.max_num_seqs,
-                                                  self.kv_caches)  # fmt: skip
+                                                  self.kv_caches, sampled)  # fmt: skip
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 if self.tp.size > 1:  # the other ranks captured: running eagerly here would
                     raise  # pair this rank's collectives with their graphs' ones
