@@ -260,8 +260,10 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
 
 def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
     """``steps`` engine steps (or fewer: the batch's end) under torch's profiler -> the wall
-    seconds, the GPU kernels' total and count (``launches``: kernels and copies) and the
-    ``top`` kernels by GPU time (name, ms, calls). Finished requests' outputs go to
+    seconds, the GPU kernels' total and count (``launches``: kernels and copies), the ``top``
+    kernels by GPU time (name, ms, calls) and the graph clock of the same steps
+    (``gpu_clock``: their replays' GPU time, to set beside the kernels' sum: the difference is
+    time inside the replays with no kernel running). Finished requests' outputs go to
     ``finished``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -269,6 +271,7 @@ def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
     t0 = time.perf_counter()
     done = 0
     cuda = torch.cuda.is_available()
+    _worker_call(engine, "graph_clock", True)
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         while done < steps and engine.has_unfinished():
             for out in engine.step():
@@ -277,6 +280,7 @@ def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
             done += 1
         if cuda:
             torch.cuda.synchronize()
+    clock = clock_summary(_worker_call(engine, "graph_clock", False))
     wall = time.perf_counter() - t0
     rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
             if e.self_device_time_total > 0]  # fmt: skip
@@ -284,9 +288,11 @@ def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
     total = sum(ms for _, ms, _ in rows)
     launches = sum(c for _, _, c in rows)
     report = {"steps": done, "wall_ms": wall * 1e3, "kernel_ms": total, "launches": launches,
-              "top": [{"name": k[:100], "ms": ms, "calls": c} for k, ms, c in rows[:top]]}
+              "top": [{"name": k[:100], "ms": ms, "calls": c} for k, ms, c in rows[:top]],
+              "gpu_clock": {k: clock.get(k) for k in ("replays", "busy_ms", "gap_ms")}}
     print(f"profiled {done} steps: wall {wall * 1e3:.1f} ms, GPU kernels {total:.1f} ms, "
-          f"{launches} launches")
+          f"{launches} launches; {clock.get('replays')} graph replays busy "
+          f"{clock.get('busy_ms', 0):.1f} ms")
     for r in report["top"]:
         print(f"  {r['ms']:8.2f} ms {r['calls']:6d}x  {r['name']}")
     return report

@@ -45,3 +45,5 @@ def test_profile_kernels_steps_the_engine_and_reports(tiny_model_dir):
     assert 1 <= report["steps"] < 50 and not engine.has_unfinished()  # the batch's end
     assert set(finished) == {"p0", "p1"} and report["wall_ms"] > 0
     assert report["kernel_ms"] == sum(k["ms"] for k in report["top"])
+    assert report["launches"] == sum(k["calls"] for k in report["top"])
+    assert set(report["gpu_clock"]) == {"replays", "busy_ms", "gap_ms"}  # no replay on a CPU
