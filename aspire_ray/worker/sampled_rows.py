@@ -66,7 +66,8 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     (drafts held before the step), x_pos int64 (position of x_n), sampled bool (padding rows
     False), seed, top_k int64, temperature, top_p float32; chain int64 [D, n] the drafts held;
     variant: (need_k, need_p) of ``sampler.probs_from_logits``; q_store float32 [D, n, V] the
-    q of each held draft, written in place for the sampled draft rows. -> int64 [t].
+    q of each held draft, written in place at each row's plane [held] (a sampled draft row's
+    new q; in other rows a plane no later step reads). -> int64 [t].
     """
     t, n, depth = logits.shape[0], held.shape[0], chain.shape[0]
     dev = logits.device
@@ -82,12 +83,10 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     cols = torch.arange(n, device=dev)
     first = bounds[:n].clamp(max=t - 1)  # each row's first query
 
-    # draft rows: a draw from q at the position the row predicts; q kept beside its draft
+    # draft rows: a draw from q at the position the row predicts (its q is kept below)
     drafting = sampled & ~verifying
     q_new = probs[first]  # [n, V]
     drawn = sampler.sample_from_probs(q_new, seed, x_pos + held + 1, int(Stream.DRAFT))
-    at = held.clamp(max=depth - 1)
-    q_store[at, cols] = torch.where(drafting[:, None], q_new, q_store[at, cols])
 
     # verify rows: the first rejected draft, a [n] (d where none is)
     d = torch.where(verifying, held, 0)
@@ -104,6 +103,10 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     stream = torch.where(residual, int(Stream.RESIDUAL), int(Stream.TARGET))
     final = sampler.sample_residual(p_at, q_store[ac, cols], residual, seed, x_pos + 1 + a,
                                     stream)  # fmt: skip
+    # every row's q at plane [held], after the verify rows' reads: a draft row's is its new
+    # draft's; another row's plane there is dead (a verify row's drafts are all used up by
+    # this step, greedy and padding rows keep no q), so no select against the old store
+    q_store[held.clamp(max=depth - 1), cols] = q_new
 
     choice = torch.where(live & drafting[row] & (j == 0), drawn[row], argmax)
     in_verify = live & verifying[row]
