@@ -12,7 +12,8 @@ race_rows: token = argmax_v w_v / E_v, E_v = -log(u_v), u_v the counter-based un
     [N] and the stream (an int or int64 [N]), hashed to a row key in the kernel as
     ``sampler.row_keys`` hashes them; use_minus bool [N]; out int64 [N].
     Stage 1 cuts every row into BLOCK-wide chunks (N x V / BLOCK programs over every SM), each
-    writing its chunk's largest ratio and the first index of it; stage 2 keeps, per row, the
+    writing its chunk's largest ratio and the first index of it (the residual's too, only in
+    rows with use_minus: the race is arithmetic-bound, float64); stage 2 keeps, per row, the
     largest (the first chunk on a tie): the first index of the row's largest ratio, as
     ``torch.argmax``.
 """
@@ -82,14 +83,17 @@ def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, str
     tl.store(val_ptr + at, best)
     tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
     if HAS_MINUS:  # the residual's race, beside w's (the fallback), on the same noise
-        m = tl.load(m_ptr + t * stride_m + cols, mask=ok, other=0.0)
-        # in the inputs' dtype, as the reference subtracts; rows without use_minus race w
-        res = tl.where(tl.load(use_ptr + t) != 0, tl.maximum(w - m, 0.0), w)
-        ratio = tl.where(ok, res.to(tl.float64) / expo, -1.0)
-        best = tl.max(ratio, 0)
         at += n_chunks  # lane 1: the residual's
-        tl.store(val_ptr + at, best)
-        tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+        if tl.load(use_ptr + t) != 0:  # one row a program: the branch is the program's
+            m = tl.load(m_ptr + t * stride_m + cols, mask=ok, other=0.0)
+            # in the inputs' dtype, as the reference subtracts
+            ratio = tl.where(ok, tl.maximum(w - m, 0.0).to(tl.float64) / expo, -1.0)
+            best = tl.max(ratio, 0)
+            tl.store(val_ptr + at, best)
+            tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+        else:  # a row without use_minus races w alone: its lane 1 loses to lane 0
+            tl.store(val_ptr + at, -1.0)
+            tl.store(idx_ptr + at, 0)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ everywhere: impossible in exact arithmetic) the draw falls back to p without the
 draft, here and in the reference alike.
 
 Every operation is a tensor op over fixed shapes (capturable): the step's [t, V] probabilities
-once, two draws over [n, V] rows (``sampler``: Triton kernels on a GPU), the acceptance test
+once, one draw a row over [n, V] rows (``sampler``: Triton kernels on a GPU), the acceptance test
 (``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere).
 """
 
@@ -83,10 +83,7 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     cols = torch.arange(n, device=dev)
     first = bounds[:n].clamp(max=t - 1)  # each row's first query
 
-    # draft rows: a draw from q at the position the row predicts (its q is kept below)
     drafting = sampled & ~verifying
-    q_new = probs[first]  # [n, V]
-    drawn = sampler.sample_from_probs(q_new, seed, x_pos + held + 1, int(Stream.DRAFT))
 
     # verify rows: the first rejected draft, a [n] (d where none is)
     d = torch.where(verifying, held, 0)
@@ -96,22 +93,28 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
         from aspire_ray.kernels.accept import rejected_at as fn
     rejected_at, token = fn(probs, q_store, chain, row, j, checks, seed, x_pos, d)
     a = d.scatter_reduce(0, row, rejected_at, reduce="amin")
-    # the last token: from the residual at the first rejection, else from p_d
     residual = sampled & verifying & (a < d)
     ac = a.clamp(max=depth - 1)
-    p_at = without_rejected(probs[(bounds[:n] + a).clamp(max=t - 1)], chain[ac, cols], residual)
-    stream = torch.where(residual, int(Stream.RESIDUAL), int(Stream.TARGET))
-    final = sampler.sample_residual(p_at, q_store[ac, cols], residual, seed, x_pos + 1 + a,
+    # one draw a row, in one race (its cost is per row): a draft row's from q, its first
+    # query's distribution, on the DRAFT stream at the position it predicts; a verify row's
+    # last token from the residual at its first rejection (RESIDUAL stream), else from p_d
+    # (TARGET), at x_pos + 1 + a
+    weights = without_rejected(probs[(first + a).clamp(max=t - 1)], chain[ac, cols],
+                               residual)  # [n, V]: a draft row's q (a = 0), a verify row's p_a
+    stream = torch.where(verifying, torch.where(residual, int(Stream.RESIDUAL),
+                                                int(Stream.TARGET)), int(Stream.DRAFT))
+    position = torch.where(verifying, x_pos + 1 + a, x_pos + held + 1)
+    drawn = sampler.sample_residual(weights, q_store[ac, cols], residual, seed, position,
                                     stream)  # fmt: skip
     # every row's q at plane [held], after the verify rows' reads: a draft row's is its new
     # draft's; another row's plane there is dead (a verify row's drafts are all used up by
     # this step, greedy and padding rows keep no q), so no select against the old store
-    q_store[held.clamp(max=depth - 1), cols] = q_new
+    q_store[held.clamp(max=depth - 1), cols] = weights
 
     choice = torch.where(live & drafting[row] & (j == 0), drawn[row], argmax)
     in_verify = live & verifying[row]
     choice = torch.where(in_verify & (j < a[row]), token, choice)
-    return torch.where(in_verify & (j == a[row]), final[row], choice)
+    return torch.where(in_verify & (j == a[row]), drawn[row], choice)
 
 
 def chain_of(drafts: list[list[int]], device: torch.device) -> torch.Tensor:
