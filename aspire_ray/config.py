@@ -301,11 +301,19 @@ class SpecConfig:
         most) and one more."""
         if not self.speculative:
             return self.ar_chain  # decode chains run in `ar` only
-        drafts = min(self.gamma, self.max_drafts) if self.mode_spec.gamma_rule == "fixed" \
-            else self.max_drafts  # fmt: skip
+        drafts = self.round_drafts
         if not self.synchronized:
             return max(drafts + 1, self.async_steps + 1)
         return (drafts + 1) * self.rounds_per_plan
+
+    @property
+    def round_drafts(self) -> int:
+        """Most drafts a request holds when it verifies: a fixed gamma's (clamped to
+        max_drafts), else max_drafts (so the longest draft chain of a synchronized mode, all
+        of which have a fixed gamma)."""
+        if self.mode_spec.gamma_rule == "fixed":
+            return min(self.gamma, self.max_drafts)
+        return self.max_drafts
 
     @property
     def max_drafts(self) -> int:

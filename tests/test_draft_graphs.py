@@ -108,5 +108,7 @@ def test_sampled_verifications_are_captured_up_front_over_one_q_store(tiny_model
     assert verified and {(n, q, v) for n in verified for v in [None, *SAMPLED_VARIANTS]} \
         == set(d.verify.graphs)  # fmt: skip
     store = d.rounds_q.data[0]
+    # a fixed-gamma chain is at most gamma long: the store keeps gamma planes, not d_max's
+    assert d.max_steps == cfg.spec.gamma < cfg.spec.d_max and store.shape[0] == cfg.spec.gamma
     assert set(d.q_round) == verified
     assert all(d.q_round[n].data_ptr() == store.data_ptr() for n in verified)

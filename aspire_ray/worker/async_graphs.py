@@ -21,11 +21,11 @@ step, its planning included:
     accept   draft rows: the argmax joins their drafts; verify rows: a = the longest prefix
              of drafts equal to the argmax, then x_n = argmax[a] at p + a + 1, no drafts held
              (``step_rows.accept_rows``, one launch on a GPU)
-    sampled  rows of sampled requests (a graph variant per (need_k, need_p), captured on
-             first use): the argmax becomes each query's choice (``sampled_rows``): draft
-             rows' draws, whose q is kept on the device (q_store), and speculative rejection
-             sampling's accepted drafts and last draw for verify rows, so that the same
-             acceptance moves them on
+    sampled  rows of sampled requests (a graph variant per (need_k, need_p), captured at
+             start-up, ``capture_all``, or at first use): the argmax becomes each query's
+             choice (``sampled_rows``): draft rows' draws, whose q is kept on the device
+             (q_store), and speculative rejection sampling's accepted drafts and last draw
+             for verify rows, so that the same acceptance moves them on
 
 The host knows each step's queries before the run (``RowPlan.async_kinds``), so it picks each
 step's token bucket, uploads the rows' numbers once and replays one graph per step; each

@@ -97,8 +97,9 @@ class DraftStepGraphs:
         self.graphs: dict[tuple, object] = {}  # (n, variant) -> graph
         self.probs: dict[tuple, torch.Tensor] = {}  # (n, variant) -> float32 [n, V]: each q
         # sampled rounds: n -> float32 [max_steps, n, V], the q of each draft of the round,
-        # every bucket a view of one store (``rounds_q``) made at the first sampled round's
-        # capture, where the memory holds it (``verifies``)
+        # every bucket a view of one store (``rounds_q``) made at the first sampled
+        # verification's capture (start-up, ``capture_all``, or a round's), where the memory
+        # holds it (``verifies``)
         self.rounds_q = RowStore(max_steps, self.buckets[-1] if self.buckets else 1,
                                  self.model.arch.vocab_size, self.pieces.device,
                                  self.model.tp)  # fmt: skip

@@ -160,8 +160,9 @@ class Worker:
         if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
-        # a round's verification replays a graph too (greedy rounds: their chains carry it)
-        max_steps = spec.max_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
+        # a round's verification replays a graph too (greedy rounds: their chains carry it);
+        # a chain is at most the fixed gamma long: so many planes of the sampled rounds' q
+        max_steps = spec.round_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
                                self.page_table, self.scores, rows, max_steps=max_steps,
                                fused_rows=self.cfg.fused_row_planning)  # fmt: skip
