@@ -40,6 +40,8 @@ def _run(mode, dtype, temperature=0.0, max_tokens=32, num_pages=4096, lengths=(1
                               recent_pages=2, calibrate="off", **kw)  # fmt: skip
     engine = LLMEngine(cfg)
     worker = engine.executor.worker
+    # the asynchronous graphs captured at start-up (sampled variants too: sampled_graphs_at_start)
+    _run.start_keys = set(worker.async_graphs.graphs) if worker.async_graphs else None
     assert worker.backend.name == "triton"
     assert (worker.graphs is not None) == cfg.cuda_graphs
     prompts = random_prompts(requests, list(lengths), vocab=49152, seed=5)
@@ -126,6 +128,7 @@ def test_sampled_async_graphs_on_gpu(mode):
     # tokens (their distribution does not: tests/test_sampling.py)
     graphed = _run(mode, "float32", temperature=0.8, async_overlap_steps=0)
     graphs = _run.last_worker.async_graphs
+    assert set(graphs.graphs) == _run.start_keys, "a sampled run captured a graph"
     assert graphed == _run(mode, "float32", temperature=0.8, draft_graphs=False,
                            async_overlap_steps=0)  # fmt: skip
     assert graphs.steps > 20, "sampled steps did not replay the asynchronous graphs"
