@@ -56,6 +56,77 @@ def uniform_of(key, cols):
     return (bits.to(tl.float64) + 0.5) / 9007199254740992.0
 
 
+# A chunk's float64 ratios are settled from float32 ones (``_chunk_best``): every ratio
+# within a relative 1e-3 of its float64 value (the bound in ``_expo32``; 0.99 leaves margin),
+# so the float64 maximum is among those at least CANDIDATE of the float32 maximum; and where
+# that maximum is under TINY (weights so small that float32 quotients may be subnormal) the
+# chunk takes the float64 race whole.
+CANDIDATE = tl.constexpr(0.99)
+TINY = tl.constexpr(1e-30)
+
+
+@triton.jit
+def _expo32(key, cols):
+    """``-log(uniform_of(key, cols))`` in float32, within a relative 5e-4 of the float64
+    value: u = (hi * 2^26 + lo + 0.5) / 2^53 rounds to float32 with a relative 1.2e-7, so
+    -log(u) is off by 1.2e-7 at most, relative 5e-4 where it is >= 2^-12; below that (u near
+    1, where u itself would round to 1) the series of -log(1 - m) in m = 1 - u, taken from
+    the integers."""
+    a = _mix32(key ^ _mix32(cols.to(tl.uint32) * 2 + 1))
+    b = _mix32(a ^ 0x68E31DA4)
+    hi = (a >> 5).to(tl.int32)  # 27 bits
+    lo = (b >> 6).to(tl.int32)  # 26 bits
+    u = hi.to(tl.float32) * 7.450580596923828e-09 + \
+        (lo.to(tl.float32) + 0.5) * 1.1102230246251565e-16  # fmt: skip
+    m = (134217727 - hi).to(tl.float32) * 7.450580596923828e-09 + \
+        ((67108864 - lo).to(tl.float32) - 0.5) * 1.1102230246251565e-16  # fmt: skip
+    series = m * (1.0 + m * (0.5 + m * 0.3333333432674408))
+    return tl.where(m < 0.000244140625, series, -tl.log(u))
+
+
+@triton.jit
+def _race64(wv, key, cols, ok):
+    """A chunk's largest float64 ratio wv / -log(u) and the first column holding it."""
+    ratio = tl.where(ok, wv.to(tl.float64) / -tl.log(uniform_of(key, cols)), -1.0)
+    best = tl.max(ratio, 0)
+    return best, tl.min(tl.where(ratio == best, cols, 2147483647), 0)
+
+
+@triton.jit
+def _chunk_best(wv, w_row, m_row, key, cols, ok, FAST: tl.constexpr,
+                RESIDUAL: tl.constexpr):  # fmt: skip
+    """``_race64`` of the chunk's weights wv (w, or the residual max(w - m, 0) with
+    RESIDUAL; w_row, m_row: the row's pointers), the same bits. FAST (float32 weights): the
+    float32 ratios find the candidates and only they are settled in float64, in column
+    order; a chunk of zero weights is (0, its first column) as in float64."""
+    if FAST:
+        wmax = tl.max(tl.where(ok, wv, 0.0), 0)
+        r32 = tl.where(ok, wv / _expo32(key, cols), -1.0)
+        top = tl.max(r32, 0)
+        best = top.to(tl.float64) * 0.0
+        at = tl.min(cols, 0)  # a chunk of zero weights: every ratio 0, its first column
+        if wmax > 0.0:
+            if top >= TINY:
+                cand = ok & (r32 >= top * CANDIDATE)
+                best = best - 1.0
+                at = at * 0 + 2147483647
+                for _ in range(tl.sum(cand.to(tl.int32), 0)):
+                    col = tl.min(tl.where(cand, cols, 2147483647), 0)
+                    cand = cand & (cols != col)
+                    wc = tl.load(w_row + col)
+                    if RESIDUAL:
+                        wc = tl.maximum(wc - tl.load(m_row + col), 0.0)
+                    rc = wc.to(tl.float64) / -tl.log(uniform_of(key, col))
+                    better = rc > best  # columns in order: the first of equal ratios stays
+                    best = tl.where(better, rc, best)
+                    at = tl.where(better, col, at)
+            else:
+                best, at = _race64(wv, key, cols, ok)
+    else:
+        best, at = _race64(wv, key, cols, ok)
+    return best, at
+
+
 @triton.jit
 def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.constexpr):
     """``sampler.row_keys`` of row t: seed and position int64 [N] (seed >= 0), the stream one
@@ -68,29 +139,29 @@ def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.conste
 @triton.jit(do_not_specialize=["stream"])  # Stream.DRAFT is 1: a runtime int, not constexpr 1
 def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, stream, val_ptr,
                        idx_ptr, V, stride_w, stride_m, n_chunks, STREAM_PER_ROW: tl.constexpr,
-                       HAS_MINUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       HAS_MINUS: tl.constexpr, FAST: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    w = tl.load(w_ptr + t * stride_w + cols, mask=ok, other=0.0)
+    w_row, m_row = w_ptr + t * stride_w, m_ptr + t * stride_m
+    w = tl.load(w_row + cols, mask=ok, other=0.0)
     # the noise of sampler.uniform for (row key, column)
     key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
-    expo = -tl.log(uniform_of(key, cols))
-    ratio = tl.where(ok, w.to(tl.float64) / expo, -1.0)
-    best = tl.max(ratio, 0)
+    best, col = _chunk_best(w, w_row, m_row, key, cols, ok, FAST, False)
     at = t * (2 if HAS_MINUS else 1) * n_chunks + c  # [N, lanes, n_chunks]: lane 0 races w
     tl.store(val_ptr + at, best)
-    tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+    tl.store(idx_ptr + at, col)
     if HAS_MINUS:  # the residual's race, beside w's (the fallback), on the same noise
         at += n_chunks  # lane 1: the residual's
         if tl.load(use_ptr + t) != 0:  # one row a program: the branch is the program's
-            m = tl.load(m_ptr + t * stride_m + cols, mask=ok, other=0.0)
+            m = tl.load(m_row + cols, mask=ok, other=0.0)
             # in the inputs' dtype, as the reference subtracts
-            ratio = tl.where(ok, tl.maximum(w - m, 0.0).to(tl.float64) / expo, -1.0)
-            best = tl.max(ratio, 0)
+            best, col = _chunk_best(tl.maximum(w - m, 0.0), w_row, m_row, key, cols, ok, FAST,
+                                    True)  # fmt: skip
             tl.store(val_ptr + at, best)
-            tl.store(idx_ptr + at, tl.min(tl.where(ratio == best, cols, 2147483647), 0))
+            tl.store(idx_ptr + at, col)
         else:  # a row without use_minus races w alone: its lane 1 loses to lane 0
             tl.store(val_ptr + at, -1.0)
             tl.store(idx_ptr + at, 0)
@@ -158,7 +229,8 @@ def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     _race_chunk_kernel[(n, n_chunks)](w, m, use, seeds, positions, streams, stream_value, val,
                                       idx, v, w.stride(0), m.stride(0), n_chunks,
                                       STREAM_PER_ROW=per_row, HAS_MINUS=has_minus,
-                                      BLOCK=RACE_BLOCK, num_warps=8)  # fmt: skip
+                                      FAST=w.dtype == torch.float32, BLOCK=RACE_BLOCK,
+                                      num_warps=8)  # fmt: skip
     _race_row_kernel[(n,)](val, idx, out, n_chunks, HAS_MINUS=has_minus,
                            CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)  # fmt: skip
     return out

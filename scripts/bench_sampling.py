@@ -8,7 +8,8 @@ For each row count (a draft step's batch, a verification's batch x (gamma + 1) r
   are compacted (``--full-passes``; "WAYSxFULL" in the JSON), and an older filter beside it
   (``--baseline-filter FILE``);
 - draw: ``sample_from_probs`` (Triton race) against ``race_ref`` on the filtered rows, and the
-  race alone on unfiltered rows (every weight above 0);
+  race alone on unfiltered rows (every weight above 0), and an older race beside it
+  (``--baseline-race FILE``);
 - the check: the same support, max abs difference of the probabilities, the same draws;
 - accept: a sampled verification's acceptance test (``verify_sampled_batch``, eager, to host
   tokens) of ``--accept-rows`` rows of ``--gamma`` drafts.
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-filter", default=None,
                    help="a file whose filter_probs(x, T, top_k, top_p, need_k, need_p) is timed "
                         "beside ours (an older kernels file: git show REV:PATH > FILE)")
+    p.add_argument("--baseline-race", default=None,
+                   help="a file whose race_rows(w, seeds, positions, stream) is timed beside "
+                        "ours, the same draws asserted (an older kernels/race.py)")
     p.add_argument("--reps", type=int, default=10)
     return p.parse_args(argv)
 
@@ -71,6 +75,7 @@ def _graphed(fn):
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     baseline = load_module(a.baseline_filter, "baseline_filter") if a.baseline_filter else None
+    old_race = load_module(a.baseline_race, "baseline_race") if a.baseline_race else None
     timer = Timer(a.reps)
     copy_gbps = copy_bandwidth(timer)
     props = torch.cuda.get_device_properties(0)
@@ -113,11 +118,20 @@ def main(argv: list[str] | None = None) -> None:
             full = torch.softmax(logits / a.temperature, dim=-1)
             row["race_full_support_ms"] = timer(
                 partial(sampler.sample_from_probs, full, seeds, seeds, Stream.TARGET))
+            if old_race is not None:  # the same draws, filtered rows and full ones
+                for key, w in (("race_baseline_ms", ref), ("race_full_support_baseline_ms", full)):
+                    before = partial(old_race.race_rows, w, seeds, seeds, int(Stream.TARGET))
+                    assert torch.equal(before(), sampler.sample_from_probs(
+                        w, seeds, seeds, Stream.TARGET)), (n, label, key)
+                    row[key] = timer(before)
             results.append(row)
             ways_ms = " ".join(f"{w}:{ms:.3f}" for w, ms in row["filter_ways"].items())
             if "filter_baseline_ms" in row:
                 print(f"rows {n:4d} {label:13s}: baseline filter "
                       f"{row['filter_baseline_ms']:.3f} ms", flush=True)
+            if "race_baseline_ms" in row:
+                print(f"rows {n:4d} {label:13s}: baseline race {row['race_baseline_ms']:.3f} ms "
+                      f"(full support {row['race_full_support_baseline_ms']:.3f})", flush=True)
             print(f"rows {n:4d} {label:13s}: filter {row['filter_ms']:.3f} ms (graph "
                   f"{row['filter_graph_ms']:.3f}; ways {ways_ms}) "
                   f"(torch {row['filter_ref_ms']:.3f}; floor {row['filter_floor_ms']:.3f}), "

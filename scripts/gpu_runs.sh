@@ -165,7 +165,8 @@ PY
         --tokens 64,128 --out "$OUT/fused_mlp_$shape.json"
     done ;;
   sampling)  # bench_sampling.py: the Triton sampling kernels against their torch references
-    # (EXTRA "--baseline-filter .stage/old_filter.py": an older filter_probs timed beside)
+    # (EXTRA "--baseline-filter .stage/old_filter.py": an older filter_probs timed beside;
+    #  "--baseline-race .stage/old_race.py", git show 2017360:kernels/race.py: an older race)
     run_logged sampling python3 scripts/bench_sampling.py --out "$OUT/bench_sampling.json" "$@" ;;
   prefill)  # prompt chunks through the paged kernel against SDPA (prefill_sdpa off / on)
     run_logged prefill python3 scripts/bench_prefill.py --model "$MODEL" \

@@ -18,14 +18,18 @@ def test_small_run_on_gpu(tmp_path):
     # an "older filter": the torch reference, loaded from its own file as an old kernels file is
     baseline.write_text("from aspire_ray.worker.sampler import probs_from_logits_ref as "
                         "filter_probs  # noqa: F401\n")  # fmt: skip
+    old_race = tmp_path / "old_race.py"  # an "older race": the torch reference, likewise
+    old_race.write_text("from aspire_ray.worker.sampler import race_ref as race_rows  # noqa\n")
     with scripts_imported("bench_sampling") as (bench,):
         bench.main(["--out", str(out), "--rows", "3,17", "--vocab", "5000", "--reps", "3",
                     "--ways", "8", "--full-passes", "1,4", "--accept-rows", "4",
-                    "--baseline-filter", str(baseline)])  # fmt: skip
+                    "--baseline-filter", str(baseline),
+                    "--baseline-race", str(old_race)])  # fmt: skip
     r = json.loads(out.read_text())
     assert [(x["rows"], x["filter"]) for x in r["results"]] == [
         (3, "top-k + top-p"), (3, "top-p"), (17, "top-k + top-p"), (17, "top-p")]
     for x in r["results"]:
         assert x["race_same_draws"] and x["filter_max_abs_diff"] < 1e-5
         assert set(x["filter_ways"]) == {"8x1", "8x4"} and x["filter_baseline_ms"] > 0
+        assert x["race_baseline_ms"] > 0 and x["race_full_support_baseline_ms"] > 0
     assert r["accept"]["rows"] == 4 and 0 <= r["accept"]["mean_accepted"] <= 5

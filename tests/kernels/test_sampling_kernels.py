@@ -49,6 +49,41 @@ def test_the_race_takes_a_stream_per_row_wide_seeds_and_strided_rows():
     assert torch.equal(got.cpu(), ref)
 
 
+@pytest.mark.parametrize("case", ["peaked", "tiny", "subnormal", "scales", "near_ties"])
+def test_float32_candidates_settle_to_the_float64_draws(case):
+    # float32 weights: each chunk's float32 ratios pick the candidates and float64 settles
+    # them (kernels/race.py _chunk_best): the same tokens as the float64 reference, for
+    # peaked rows (one ratio far ahead), weights too small for float32 quotients (the chunk's
+    # float64 race whole, subnormal ones included) and rows of every scale between
+    gen = torch.Generator().manual_seed(len(case))
+    n, v = 24, 2 * RACE_BLOCK + 501
+    if case == "peaked":
+        w = torch.softmax(8 * torch.randn(n, v, generator=gen), dim=-1)
+    elif case == "tiny":
+        w = torch.rand(n, v, generator=gen) * 1e-33
+        w[::3] *= 1e-8  # subnormal float32 weights
+    elif case == "subnormal":  # a few bits each: float32 quotients lose their order
+        w = torch.randint(1, 64, (n, v), generator=gen).float() * 2.0**-149
+    elif case == "near_ties":  # two columns a row whose float64 ratios differ by ~1e-9
+        w = torch.rand(n, v, generator=gen) * 1e-12  # far below the pair's ratios
+        seeds, positions = _keys(n)
+        expo = -torch.log(sampler.uniform(seeds, positions, Stream.TARGET, v))  # float64
+        for r in range(n):
+            a, b = 5 + 7 * r, RACE_BLOCK - 3 - 5 * r  # one chunk
+            w[r, a] = 0.5
+            # b's weight so that its ratio is a's times 1 +- 1e-9 (the sign by row): as a
+            # float32 weight, within float32's resolution of a's either way
+            target = 0.5 * float(expo[r, b] / expo[r, a]) * (1 + (1e-9 if r % 2 else -1e-9))
+            w[r, b] = target
+    else:
+        w = torch.rand(n, v, generator=gen) * 10.0 ** -torch.randint(0, 44, (n, 1), generator=gen)
+        w[:, RACE_BLOCK : 2 * RACE_BLOCK] *= (torch.rand(n, 1, generator=gen) < 0.5)  # zero chunks
+    seeds, positions = _keys(n)
+    ref = sampler.race_ref(w, seeds, positions, Stream.TARGET)
+    got = race_rows(w.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), Stream.TARGET)
+    assert torch.equal(got.cpu(), ref)
+
+
 def test_the_residual_race_and_its_fallback_match_the_reference():
     gen = torch.Generator().manual_seed(5)
     n, v = 8, RACE_BLOCK + 100
