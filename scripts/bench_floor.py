@@ -260,6 +260,16 @@ def new_tokens(args) -> int:
     return plans * max((spec.gamma + 1) * spec.rounds_per_plan, spec.ar_chain) + spec.d_max + 2
 
 
+def sampling_params(args) -> SamplingParams:
+    """Every request's: greedy, or sampled with --temperature / --top-p / --top-k (seeded).
+    The floor counts no bytes for sampling: its logits and probabilities are activations (at
+    64 rows of a 152k vocabulary ~3% of a draft step's floor), so a sampled step's ratio above
+    the greedy one is what the sampling costs. No request finishes within the run (a round,
+    one plan, commits up to gamma + 1 tokens)."""
+    return SamplingParams(max_tokens=new_tokens(args), temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=0, ignore_eos=True)
+
+
 def chain_steps(rows) -> int:
     """Decode steps one plan stands for: a draft chain's steps (RowPlan.num_steps), else 1 (a
     round, chain and verification, is one step of its own kind; a plan of several rounds
@@ -312,8 +322,7 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
         if args.dummy_shapes
         else long_context_prompts(llm.tokenizer, args.batch, args.context)
     )
-    # no request finishes within the run (a round, one plan, commits up to gamma + 1 tokens)
-    params = SamplingParams(max_tokens=new_tokens(args), temperature=0, seed=0, ignore_eos=True)
+    params = sampling_params(args)
     prefill_batch(engine, prompts, params, mode)
     for _ in range(args.warmup):  # graph buckets, kernel compiles, the pool's first pages
         engine.step()
@@ -425,6 +434,9 @@ def main() -> None:
     p.add_argument("--gap-hosts", action="store_true",
                    help="profile with Python stacks: what the host ran in each long GPU idle "
                         "gap (stderr; GPU only)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-batched-tokens", type=int, default=16384)

@@ -282,3 +282,17 @@ def test_graph_ratios_against_the_ar_graph():
     assert g["c"] == pytest.approx(0.25) and g["verify_vs_ar"] == pytest.approx(1.15)
     assert "| magicdec/g5 | 8.000 | 2.000 | 0.250 | 9.200 (6) | 1.150x |" in fr.ratios_table([g])
     assert fr.graph_ratios(results[1:]) == []  # no `ar` on the clock
+
+
+def test_sampled_steps_against_the_same_floor():
+    # --temperature / --top-p / --top-k: every request sampled (seeded), greedy by default
+    import argparse
+
+    args = argparse.Namespace(warmup=2, steps=6, profile_steps=0, cprofile=0, temperature=0.7,
+                              top_p=0.9, top_k=20)  # fmt: skip
+    with scripts_imported("bench_floor") as (bf,):
+        sampled = bf.sampling_params(args)
+        greedy = bf.sampling_params(argparse.Namespace(**{**vars(args), "temperature": 0.0}))
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 20)
+    assert sampled.seed == 0 and sampled.ignore_eos and greedy.temperature == 0.0
+    assert sampled.max_tokens == greedy.max_tokens == bf.new_tokens(args)
