@@ -194,7 +194,7 @@ def prefill_batch(engine, prompts: list[list[int]],
 
 def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                desc: str, window: str = "steady", diagnose: bool = False,
-               profile_steps: int = 0) -> dict:  # fmt: skip
+               profile_steps: int = 0, profile_before: bool = False) -> dict:  # fmt: skip
     """Prefill everything, then time the decode phase.
 
     window "steady": the clock stops when the first request finishes, so every row of the
@@ -205,12 +205,16 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     the end (acceptance and greedy-match statistics cover whole outputs).
     diagnose: over the window, time every graph replay on the GPU and log synchronizing CUDA
     calls (``Diagnosis``; slows the host a little, so not for the figures themselves).
-    profile_steps: after the window, this many engine steps under torch's profiler: the GPU
+    profile_steps: after the window (before it with profile_before: every row of the batch
+    still decoding, the steps the window times), this many engine steps under torch's
+    profiler: the GPU
     kernels by time (``breakdown.kernels``, ``profile_kernels``), outside the clock.
     """
     engine = llm.engine
     each = params if isinstance(params, list) else [params] * len(prompts)
     ids, finished = prefill_batch(engine, prompts, each, desc)
+    kernels = profile_kernels(engine, profile_steps, finished) \
+        if profile_steps and profile_before else None  # fmt: skip
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     graphs_before, process_before = _graph_counters(engine), process_counters()
     committed_before = _committed(engine, finished)
@@ -218,7 +222,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
     t0 = time.perf_counter()
-    elapsed = kernels = None
+    elapsed = None
     while engine.has_unfinished():
         if elapsed is not None and profile_steps and kernels is None:
             kernels = profile_kernels(engine, profile_steps, finished)
@@ -486,6 +490,9 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after each window, this many engine steps under torch's profiler: "
                         "the GPU kernels by time (breakdown.kernels), outside the clock")
+    p.add_argument("--profile-before", action="store_true",
+                   help="profile those steps before the window instead (every row of the "
+                        "batch still decoding, as in the window), not after it")
     p.add_argument("--window", choices=("steady", "drain"), default="steady",
                    help="stop the clock when the first (steady) or last (drain) request finishes")
     p.add_argument("--out", default=None)
@@ -559,7 +566,8 @@ def main() -> None:
                 recorder = TraceRecorder(llm.engine) if args.record_traces and rep == 0 else None
                 per_mode[mode].append(decode_run(llm, prompts, params, f"{ctx}-{mode}-{rep}",
                                                  args.window, args.diagnose,
-                                                 args.profile_steps))  # fmt: skip
+                                                 args.profile_steps,
+                                                 args.profile_before))  # fmt: skip
                 per_mode[mode][-1]["domains"] = domains
                 run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
                 print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s",

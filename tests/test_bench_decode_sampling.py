@@ -47,3 +47,26 @@ def test_profile_kernels_steps_the_engine_and_reports(tiny_model_dir):
     assert report["kernel_ms"] == sum(k["ms"] for k in report["top"])
     assert report["launches"] == sum(k["calls"] for k in report["top"])
     assert set(report["gpu_clock"]) == {"replays", "busy_ms", "gap_ms"}  # no replay on a CPU
+
+
+def test_profile_before_the_window_leaves_every_request_whole(tiny_model_dir):
+    # --profile-before: the profiled steps come before the timed window (every row decoding),
+    # not after it; every request still gets all its tokens, and the window times the rest
+    from helpers import random_prompts, scripts_imported
+
+    from aspire_ray import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model_dir("llama"), spec_mode="ar", num_pages=64, calibrate="off")
+    prompts = random_prompts(2, [8, 12], vocab=256, seed=1)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 40)]  # steps after
+    with scripts_imported("bench_decode") as (bd,):
+        before = bd.decode_run(llm, prompts, params, "before", profile_steps=2,
+                               profile_before=True)  # fmt: skip
+        after = bd.decode_run(llm, prompts, params, "after", profile_steps=2)
+    llm.shutdown()
+    assert [len(o.token_ids) for o in before["outs"]] == [8, 40] == \
+        [len(o.token_ids) for o in after["outs"]]  # fmt: skip
+    assert before["breakdown"]["kernels"]["steps"] == 2 == after["breakdown"]["kernels"]["steps"]
+    # before: the window starts after the profiled steps, so it commits fewer of the batch's
+    # tokens than the whole decode (48 less the 8 of the first plan, at least)
+    assert 0 < before["tokens"] <= 48 - 8
