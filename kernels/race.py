@@ -93,15 +93,16 @@ def _race64(wv, key, cols, ok):
 
 
 @triton.jit
-def _chunk_best(wv, w_row, m_row, key, cols, ok, FAST: tl.constexpr,
+def _chunk_best(wv, w_row, m_row, key, cols, ok, e32, FAST: tl.constexpr,
                 RESIDUAL: tl.constexpr):  # fmt: skip
     """``_race64`` of the chunk's weights wv (w, or the residual max(w - m, 0) with
     RESIDUAL; w_row, m_row: the row's pointers), the same bits. FAST (float32 weights): the
-    float32 ratios find the candidates and only they are settled in float64, in column
-    order; a chunk of zero weights is (0, its first column) as in float64."""
+    float32 ratios over e32 (``_expo32`` of the chunk, shared by both lanes) find the
+    candidates and only they are settled in float64, in column order; a chunk of zero
+    weights is (0, its first column) as in float64."""
     if FAST:
         wmax = tl.max(tl.where(ok, wv, 0.0), 0)
-        r32 = tl.where(ok, wv / _expo32(key, cols), -1.0)
+        r32 = tl.where(ok, wv / e32, -1.0)
         top = tl.max(r32, 0)
         best = top.to(tl.float64) * 0.0
         at = tl.min(cols, 0)  # a chunk of zero weights: every ratio 0, its first column
@@ -149,7 +150,10 @@ def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, str
     w = tl.load(w_row + cols, mask=ok, other=0.0)
     # the noise of sampler.uniform for (row key, column)
     key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
-    best, col = _chunk_best(w, w_row, m_row, key, cols, ok, FAST, False)
+    e32 = w.to(tl.float32)  # unread without FAST
+    if FAST:  # the float32 noise both lanes read
+        e32 = _expo32(key, cols)
+    best, col = _chunk_best(w, w_row, m_row, key, cols, ok, e32, FAST, False)
     at = t * (2 if HAS_MINUS else 1) * n_chunks + c  # [N, lanes, n_chunks]: lane 0 races w
     tl.store(val_ptr + at, best)
     tl.store(idx_ptr + at, col)
@@ -158,8 +162,8 @@ def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, str
         if tl.load(use_ptr + t) != 0:  # one row a program: the branch is the program's
             m = tl.load(m_row + cols, mask=ok, other=0.0)
             # in the inputs' dtype, as the reference subtracts
-            best, col = _chunk_best(tl.maximum(w - m, 0.0), w_row, m_row, key, cols, ok, FAST,
-                                    True)  # fmt: skip
+            best, col = _chunk_best(tl.maximum(w - m, 0.0), w_row, m_row, key, cols, ok, e32,
+                                    FAST, True)  # fmt: skip
             tl.store(val_ptr + at, best)
             tl.store(idx_ptr + at, col)
         else:  # a row without use_minus races w alone: its lane 1 loses to lane 0

@@ -284,7 +284,7 @@ def test_graph_ratios_against_the_ar_graph():
     assert fr.graph_ratios(results[1:]) == []  # no `ar` on the clock
 
 
-def test_sampled_steps_against_the_same_floor():
+def test_sampling_params_from_the_options():
     # --temperature / --top-p / --top-k: every request sampled (seeded), greedy by default
     import argparse
 

@@ -153,9 +153,10 @@ class DraftStepGraphs:
             if self.verify is not None and 1 <= verify_steps <= self.max_steps \
                     and self.verify.fits(n, verify_steps + 1):  # fmt: skip
                 self.verify.ensure(n, verify_steps + 1, kv_caches)
-                for variant in SAMPLED_VARIANTS if sampled and self._q_round_fits(n) else []:
-                    self._round_q(n)
-                    self.verify.ensure(n, verify_steps + 1, kv_caches, variant)
+                if sampled and self._q_round_fits(n):
+                    self._round_q(n)  # the verification's sampled variants read it
+                    for variant in SAMPLED_VARIANTS:
+                        self.verify.ensure(n, verify_steps + 1, kv_caches, variant)
 
     def _plan(self, n: int, full: bool) -> FixedPlan:
         """The attention plan of bucket n's sparse (full=False) or full lists."""
