@@ -11,6 +11,8 @@ race_rows: token = argmax_v w_v / E_v, E_v = -log(u_v), u_v the counter-based un
     Shapes: w, minus [N, V] float32 / float64, last dim contiguous; seeds, positions int64
     [N] and the stream (an int or int64 [N]), hashed to a row key in the kernel as
     ``sampler.row_keys`` hashes them; use_minus bool [N]; out int64 [N].
+    ``race_gathered`` races rows gathered in the kernel (a step's rows where its logits lie, a
+    rejected draft excluded, the draft's q kept in its store as it is read).
     Stage 1 cuts every row into BLOCK-wide chunks (N x V / BLOCK programs over every SM), each
     writing its chunk's largest ratio and the first index of it (the residual's too, only in
     rows with use_minus: the race is arithmetic-bound, float64); stage 2 keeps, per row, the
@@ -96,7 +98,8 @@ def _race64(wv, key, cols, ok):
 def _chunk_best(wv, w_row, m_row, key, cols, ok, e32, FAST: tl.constexpr,
                 RESIDUAL: tl.constexpr):  # fmt: skip
     """``_race64`` of the chunk's weights wv (w, or the residual max(w - m, 0) with
-    RESIDUAL; w_row, m_row: the row's pointers), the same bits. FAST (float32 weights): the
+    RESIDUAL; w_row, m_row: the row's pointers), the same bits (a column that wv holds as 0
+    is never a candidate, whatever w_row holds there). FAST (float32 weights): the
     float32 ratios over e32 (``_expo32`` of the chunk, shared by both lanes) find the
     candidates and only they are settled in float64, in column order; a chunk of zero
     weights is (0, its first column) as in float64."""
@@ -139,15 +142,25 @@ def _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW: tl.conste
 
 @triton.jit(do_not_specialize=["stream"])  # Stream.DRAFT is 1: a runtime int, not constexpr 1
 def _race_chunk_kernel(w_ptr, m_ptr, use_ptr, seed_ptr, pos_ptr, stream_ptr, stream, val_ptr,
-                       idx_ptr, V, stride_w, stride_m, n_chunks, STREAM_PER_ROW: tl.constexpr,
-                       HAS_MINUS: tl.constexpr, FAST: tl.constexpr,
+                       idx_ptr, rows_ptr, planes_ptr, keep_ptr, ex_ptr, V, stride_w, stride_m,
+                       stride_plane, n_chunks, STREAM_PER_ROW: tl.constexpr,
+                       HAS_MINUS: tl.constexpr, FAST: tl.constexpr, GATHER: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    w_row, m_row = w_ptr + t * stride_w, m_ptr + t * stride_m
+    if GATHER:  # ``race_gathered``: w's row rows[t], minus and the kept row planes of m
+        w_row = w_ptr + tl.load(rows_ptr + t) * stride_w
+        m_row = m_ptr + tl.load(planes_ptr + t) * stride_plane + t * stride_m
+    else:
+        w_row, m_row = w_ptr + t * stride_w, m_ptr + t * stride_m
     w = tl.load(w_row + cols, mask=ok, other=0.0)
+    if GATHER:
+        w = tl.where(cols == tl.load(ex_ptr + t), 0.0, w)
+        keep = tl.load(keep_ptr + t)
+        if keep >= 0:  # before the residual's reads: never the plane they read (the caller)
+            tl.store(m_ptr + keep * stride_plane + t * stride_m + cols, w, mask=ok)
     # the noise of sampler.uniform for (row key, column)
     key = _row_key(seed_ptr, pos_ptr, stream_ptr, stream, t, STREAM_PER_ROW)
     e32 = w.to(tl.float32)  # unread without FAST
@@ -200,6 +213,14 @@ def check_rows(name: str, x: torch.Tensor, rows: int | None = None) -> None:
         raise ValueError(f"need 0 < V < 2**31 columns, got {x.shape[1]}")
 
 
+def _check_keys(n: int, seeds: torch.Tensor, positions: torch.Tensor,
+                stream: int | torch.Tensor) -> None:  # fmt: skip
+    per_row = isinstance(stream, torch.Tensor)
+    for name, t in (("seeds", seeds), ("positions", positions)) + (("stream", stream),) * per_row:
+        if t.shape != (n,) or t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+
+
 def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
               stream: int | torch.Tensor, minus: torch.Tensor | None = None,
               use_minus: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -208,11 +229,8 @@ def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     rows or int64 [N]), ``sampler.uniform``'s; with minus [N, V] and use_minus bool [N], rows
     where use_minus holds race the residual max(w - minus, 0) (w where it is all zero)."""
     check_rows("w", w)
-    n, v = w.shape
-    per_row = isinstance(stream, torch.Tensor)
-    for name, t in (("seeds", seeds), ("positions", positions)) + (("stream", stream),) * per_row:
-        if t.shape != (n,) or t.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+    n = w.shape[0]
+    _check_keys(n, seeds, positions, stream)
     has_minus = minus is not None
     if has_minus:
         check_rows("minus", minus, n)
@@ -221,19 +239,58 @@ def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                              f"{minus.dtype} {tuple(minus.shape)}")  # fmt: skip
         if use_minus is None or use_minus.shape != (n,):
             raise ValueError(f"use_minus must be bool [{n}] with minus")
+    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, seeds)  # unread without
+    return _race(w, m, use, n, seeds, positions, stream, has_minus, None, (m.stride(0), 0))
+
+
+def race_gathered(w: torch.Tensor, rows: torch.Tensor, store: torch.Tensor,
+                  planes: torch.Tensor, keep_planes: torch.Tensor, exclude: torch.Tensor,
+                  use_minus: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  stream: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``race_rows`` over rows gathered in the kernel (``sampled_rows.draw_rows_ref``, its
+    reference): draw i races w[rows[i]] with its column exclude[i] taken as 0 (-1: none),
+    or, where use_minus[i], the residual of that less store[planes[i], i]; and where
+    keep_planes[i] >= 0 the weights it raced are written to store[keep_planes[i], i], which
+    must not be the plane it reads (planes[i] where use_minus[i]).
+    Shapes: w float32 [T, V]; store float32 [D, N', V] (N' >= N; a RowStore's view), last
+    dims contiguous; rows, planes, keep_planes, exclude, seeds, positions int64 [N];
+    use_minus bool [N]. Without the [N, V] copies of the gathers, the exclusion and the
+    store's write (the torch code's four launches over them)."""
+    check_rows("w", w)
+    n = rows.shape[0]
+    _check_keys(n, seeds, positions, stream)
+    if store.dim() != 3 or store.stride(2) != 1 or store.shape[1] < n or \
+            store.shape[2] != w.shape[1] or store.dtype != w.dtype:  # fmt: skip
+        raise ValueError(f"store must be {w.dtype} [D, >= {n}, {w.shape[1]}] with a contiguous "
+                         f"last dim, got {store.dtype} {tuple(store.shape)} {store.stride()}")
+    for name, x in (("rows", rows), ("planes", planes), ("keep_planes", keep_planes),
+                    ("exclude", exclude)):  # fmt: skip
+        if x.shape != (n,) or x.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{n}], got {x.dtype} {tuple(x.shape)}")
+    if use_minus.shape != (n,):
+        raise ValueError(f"use_minus must be bool [{n}]")
+    return _race(w, store, use_minus.to(torch.int8), n, seeds, positions, stream, True,
+                 (rows, planes, keep_planes, exclude), (store.stride(1), store.stride(0)))
+
+
+def _race(w, m, use, n, seeds, positions, stream, has_minus, gather, m_strides) -> torch.Tensor:
+    """Both stages of a race (``race_rows`` / ``race_gathered``), inputs checked."""
     out = torch.empty(n, dtype=torch.int64, device=w.device)
     if n == 0:
         return out
+    v = w.shape[1]
     n_chunks = triton.cdiv(v, RACE_BLOCK)
     lanes = 2 if has_minus else 1
     val = torch.empty(n, lanes, n_chunks, dtype=torch.float64, device=w.device)
     idx = torch.empty(n, lanes, n_chunks, dtype=torch.int32, device=w.device)
-    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, seeds)  # unread without
+    per_row = isinstance(stream, torch.Tensor)
     streams, stream_value = (stream, 0) if per_row else (seeds, int(stream))
+    rows, planes, keep, ex = gather if gather is not None else (seeds,) * 4  # unread without
     _race_chunk_kernel[(n, n_chunks)](w, m, use, seeds, positions, streams, stream_value, val,
-                                      idx, v, w.stride(0), m.stride(0), n_chunks,
-                                      STREAM_PER_ROW=per_row, HAS_MINUS=has_minus,
-                                      FAST=w.dtype == torch.float32, BLOCK=RACE_BLOCK,
+                                      idx, rows, planes, keep, ex, v, w.stride(0), *m_strides,
+                                      n_chunks, STREAM_PER_ROW=per_row, HAS_MINUS=has_minus,
+                                      FAST=w.dtype == torch.float32,
+                                      GATHER=gather is not None, BLOCK=RACE_BLOCK,
                                       num_warps=8)  # fmt: skip
     _race_row_kernel[(n,)](val, idx, out, n_chunks, HAS_MINUS=has_minus,
                            CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1)  # fmt: skip

@@ -9,10 +9,11 @@ import torch
 
 from aspire_ray.plan import Stream
 from aspire_ray.worker import rejection_sampler as rs
-from aspire_ray.worker import sampler
+from aspire_ray.worker import sampled_rows, sampler
 from aspire_ray.worker.sampled_rows import sampled_choices
 
 V, DEPTH = 40, 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (kind, sampled, held, x_pos): draft rows have one query, verify rows held + 1
 ROWS = [("draft", True, 2, 10), ("verify", True, 3, 20), ("verify", False, 2, 30),
         ("verify", True, 0, 40), ("draft", False, 1, 50), ("verify", True, 2, 60)]
@@ -60,9 +61,10 @@ def test_choices_are_rejection_sampling():
             probs = sampler.probs_from_logits_ref(
                 logits[k], temperature[r].expand(len(mine)), top_k[r].expand(len(mine)),
                 top_p[r].expand(len(mine)), True, True)  # fmt: skip
-            # a row's planes other than [held] are left as they were (the held drafts' q);
-            # [held] is a draft row's new q, and dead in every other row (written over)
-            kept = [j for j in range(DEPTH) if j != min(h, DEPTH - 1)]
+            # a row's planes are left as they were (the held drafts' q), but for a sampled
+            # draft row's [held]: its new q
+            drafted = kind == "draft" and is_sampled
+            kept = [j for j in range(DEPTH) if not drafted or j != min(h, DEPTH - 1)]
             assert torch.equal(store[kept, r], q_store[kept, r])
             if not is_sampled:
                 assert mine == argmax[k].tolist()
@@ -80,6 +82,33 @@ def test_choices_are_rejection_sampling():
                 outcomes.add((h, a == h))
     # the batch saw rows accept all their drafts and rows reject one
     assert {(3, True), (3, False), (2, False)} <= outcomes, outcomes
+
+
+def test_the_kernels_choose_and_keep_as_the_torch_code(monkeypatch):
+    """The Triton path (the acceptance test and ``race_gathered``, run here by Triton's
+    interpreter without a GPU) against the torch code: the same choices and the same q store
+    after (on a GPU both from the same probabilities, ``filter_probs``')."""
+    temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
+    top_k, top_p = torch.tensor([0, 12, 0, 0, 0, 5]), torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0])
+    sampled = torch.tensor([s for _, s, _, _ in ROWS])
+    verify = torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS])
+    held = torch.tensor([h for _, _, h, _ in ROWS])
+    x_pos = torch.tensor([x for _, _, _, x in ROWS])
+    for case in range(6):
+        n, qo, t, logits, q_store, chain = _case(case)
+        seed = torch.arange(n, dtype=torch.int64) * 7919 + case
+        runs = []
+        for kernels in (False, True):
+            monkeypatch.setattr(sampled_rows, "fused_ops", lambda x, on=kernels: on)
+            store = q_store.clone().to(DEVICE)
+            args = [x.to(DEVICE) for x in (logits, logits.argmax(dim=-1), qo, verify, held,
+                                           x_pos, chain, sampled, seed, top_k, temperature,
+                                           top_p)]  # fmt: skip
+            choice = sampled_rows.sampled_choices(*args, (True, True), store)
+            runs.append((choice.cpu(), store.cpu()))
+        (want, want_store), (got, got_store) = runs
+        assert torch.equal(got, want), case
+        assert torch.equal(got_store, want_store), case
 
 
 def test_the_rejected_draft_is_never_drawn_again():

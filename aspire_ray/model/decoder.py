@@ -282,6 +282,21 @@ class DecoderModel(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab] (full vocab on every rank)."""
         return self.lm_head.logits(hidden).float()
 
+    def sampling_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, hidden] -> (logits [N, vocab], their argmax int64 [N]) for a step that
+        samples. On a GPU the logits stay in the model's dtype: the sampling kernels
+        (``kernels/top_k_top_p.py``) load them as float32, the float32 copy's values exactly,
+        and the argmax is ``greedy_tokens``'; without the [N, vocab] float32 copy and torch's
+        row-a-block argmax (~0.08 ms a 64-row step at Qwen2.5's vocabulary on an H100,
+        docs/benchmarks.md §8.48). Elsewhere ``compute_logits``' float32 and its argmax."""
+        logits = self.lm_head.logits(hidden)
+        if fused_ops(logits):
+            from aspire_ray.kernels.argmax import argmax_rows
+
+            return logits, argmax_rows(logits)
+        logits = logits.float()
+        return logits, logits.argmax(dim=-1)
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> int64 [N], the logits' argmax taken in the model's dtype: its
         float32 copy orders every value (and tie) the same, so the tokens are those of

@@ -245,9 +245,9 @@ class AsyncStepGraphs:
         if variant is None:
             argmax = self.model.greedy_tokens(hidden)  # [t]
         else:  # sampled rows' choices (the module docstring)
-            logits = self.model.compute_logits(hidden)  # float32 [t, V]
+            logits, argmax = self.model.sampling_logits(hidden)  # [t, V], [t]
             (seed, top_k), (temperature, top_p) = self.sstate[n], self.fstate[n]
-            argmax = sampled_choices(logits, logits.argmax(dim=-1), qo, verify, held, x_pos,
+            argmax = sampled_choices(logits, argmax, qo, verify, held, x_pos,
                                      chain, (flags & _SAMPLED) > 0, seed, top_k, temperature,
                                      top_p, variant, self.q_store[n])  # fmt: skip
         # draft rows: the argmax joins their drafts; verify rows: the accepted prefix

@@ -237,8 +237,7 @@ class DraftStepGraphs:
         if variant is None:
             tokens = self.model.greedy_tokens(hidden)
         else:  # as Worker._chain_tokens draws, at position context_len
-            logits = self.model.compute_logits(hidden)
-            tokens = logits.argmax(dim=-1)
+            logits, tokens = self.model.sampling_logits(hidden)
             temperature, top_p = self.fstate[n]
             probs = sampler.probs_from_logits(logits, temperature, top_k, top_p, *variant)
             drawn = sampler.sample_from_probs(probs, seed, pos + 1, self.stream)

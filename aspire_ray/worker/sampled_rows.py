@@ -21,8 +21,9 @@ everywhere: impossible in exact arithmetic) the draw falls back to p without the
 draft, here and in the reference alike.
 
 Every operation is a tensor op over fixed shapes (capturable): the step's [t, V] probabilities
-once, one draw a row over [n, V] rows (``sampler``: Triton kernels on a GPU), the acceptance test
-(``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere).
+once, one draw a row (``kernels/race.py``'s ``race_gathered`` on a GPU, which reads each row's
+distribution where it lies and keeps a draft row's q, ``draw_rows_ref`` elsewhere), the
+acceptance test (``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
                     variant: tuple[bool, bool], q_store: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Each query's choice (module docstring); greedy rows keep their argmax.
 
-    logits float32 [t, V]; argmax int64 [t]; qo [n + 1] the rows' query offsets (queries past
+    logits [t, V] (float32; on a GPU the model's dtype, ``DecoderModel.sampling_logits``);
+    argmax int64 [t]; qo [n + 1] the rows' query offsets (queries past
     qo[n]: padding); per row [n]: verify (> 0: the row verifies its drafts), held int64
     (drafts held before the step), x_pos int64 (position of x_n), sampled bool (padding rows
     False), seed, top_k int64, temperature, top_p float32; chain int64 [D, n] the drafts held;
     variant: (need_k, need_p) of ``sampler.probs_from_logits``; q_store float32 [D, n, V] the
-    q of each held draft, written in place at each row's plane [held] (a sampled draft row's
-    new q; in other rows a plane no later step reads). -> int64 [t].
+    q of each held draft; a sampled draft row's new q is written in place at its plane
+    [held]. -> int64 [t].
     """
     t, n, depth = logits.shape[0], held.shape[0], chain.shape[0]
     dev = logits.device
@@ -98,23 +100,42 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     # one draw a row, in one race (its cost is per row): a draft row's from q, its first
     # query's distribution, on the DRAFT stream at the position it predicts; a verify row's
     # last token from the residual at its first rejection (RESIDUAL stream), else from p_d
-    # (TARGET), at x_pos + 1 + a
-    weights = without_rejected(probs[(first + a).clamp(max=t - 1)], chain[ac, cols],
-                               residual)  # [n, V]: a draft row's q (a = 0), a verify row's p_a
+    # (TARGET), at x_pos + 1 + a; a residual row's p_a without its rejected draft
     stream = torch.where(verifying, torch.where(residual, int(Stream.RESIDUAL),
                                                 int(Stream.TARGET)), int(Stream.DRAFT))
     position = torch.where(verifying, x_pos + 1 + a, x_pos + held + 1)
-    drawn = sampler.sample_residual(weights, q_store[ac, cols], residual, seed, position,
-                                    stream)  # fmt: skip
-    # every row's q at plane [held], after the verify rows' reads: a draft row's is its new
-    # draft's; another row's plane there is dead (a verify row's drafts are all used up by
-    # this step, greedy and padding rows keep no q), so no select against the old store
-    q_store[held.clamp(max=depth - 1), cols] = weights
+    exclude = torch.where(residual, chain[ac, cols], -1)
+    # a sampled draft row keeps its q at plane [held] (a = 0: its first query's p); no other
+    # row's is read again, and a verify row's kept plane could be the one its residual reads
+    keep = torch.where(drafting, held.clamp(max=depth - 1), -1)
+    draw = draw_rows_ref
+    if fused_ops(probs):
+        from aspire_ray.kernels.race import race_gathered as draw
+    drawn = draw(probs, (first + a).clamp(max=t - 1), q_store, ac, keep, exclude, residual,
+                 seed, position, stream)  # fmt: skip
 
     choice = torch.where(live & drafting[row] & (j == 0), drawn[row], argmax)
     in_verify = live & verifying[row]
     choice = torch.where(in_verify & (j < a[row]), token, choice)
     return torch.where(in_verify & (j == a[row]), drawn[row], choice)
+
+
+def draw_rows_ref(probs: torch.Tensor, rows: torch.Tensor, store: torch.Tensor,
+                  planes: torch.Tensor, keep_planes: torch.Tensor, exclude: torch.Tensor,
+                  use_minus: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  stream: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``kernels.race.race_gathered`` in torch (its reference; shapes there): draw i from
+    probs[rows[i]] with column exclude[i] zeroed (-1: none), or from its residual against
+    store[planes[i], i] where use_minus[i]; the weights drawn from kept at
+    store[keep_planes[i], i] where that is >= 0 (read before the write, as the kernel
+    never writes a plane it reads)."""
+    cols = torch.arange(rows.shape[0], device=probs.device)
+    excluded = exclude >= 0
+    w = without_rejected(probs[rows], exclude.clamp(min=0), excluded)  # [N, V]
+    drawn = sampler.sample_residual(w, store[planes, cols], use_minus, seeds, positions, stream)
+    at = keep_planes.clamp(min=0)
+    store[at, cols] = torch.where((keep_planes >= 0)[:, None], w, store[at, cols])
+    return drawn
 
 
 def chain_of(drafts: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -130,10 +130,10 @@ class VerifyGraphs:
         if variant is None:
             argmax = self.model.greedy_tokens(hidden[: n * q])
         else:  # every live row verifies its round's q - 1 drafts
-            logits = self.model.compute_logits(hidden[: n * q])  # float32 [n * q, V]
+            logits, argmax = self.model.sampling_logits(hidden[: n * q])  # [n * q, V]
             live = rows[5] > 0
             temperature, top_p = d.fstate[n]
-            argmax = sampled_choices(logits, logits.argmax(dim=-1), qo, live.long(),
+            argmax = sampled_choices(logits, argmax, qo, live.long(),
                                      live.long() * (q - 1), start_pos, chain,
                                      (flags & _SAMPLED) > 0, seed, top_k, temperature, top_p,
                                      variant, d.q_round[n])  # fmt: skip

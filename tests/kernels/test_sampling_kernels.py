@@ -7,10 +7,11 @@ probabilities."""
 import pytest
 import torch
 
-from aspire_ray.kernels.race import RACE_BLOCK, race_rows
+from aspire_ray.kernels.race import RACE_BLOCK, race_gathered, race_rows
 from aspire_ray.kernels.top_k_top_p import filter_probs
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampler
+from aspire_ray.worker.sampled_rows import draw_rows_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -102,6 +103,37 @@ def test_the_residual_race_and_its_fallback_match_the_reference():
     assert torch.equal(ref[[2, 3, 4, 5, 7]], plain[[2, 3, 4, 5, 7]])
     residual = (p - q).clamp_min(0)
     assert (residual[[0, 1, 6]].gather(1, ref[[0, 1, 6], None]) > 0).all()
+
+
+def test_the_gathered_race_draws_and_keeps_as_its_reference():
+    """``race_gathered`` (rows read where they lie, a column excluded, a draft's q kept)
+    against ``draw_rows_ref``'s gathers: the same draws and the same store after."""
+    gen = torch.Generator().manual_seed(11)
+    t, n, depth, v = 9, 6, 3, RACE_BLOCK + 100
+    probs = torch.softmax(2 * torch.randn(t, v, generator=gen), dim=-1)
+    store = torch.softmax(2 * torch.randn(depth, n + 2, v, generator=gen), dim=-1)
+    rows = torch.tensor([4, 0, 4, 8, 2, 7])
+    planes = torch.tensor([0, 2, 1, 0, 2, 1])
+    use = torch.tensor([True, False, True, False, True, False])
+    store[2, 4] = 2 * probs[2]  # q >= p: row 4's residual is empty, it falls back to p
+    seeds, positions = _keys(n)
+    stream = torch.where(use, int(Stream.RESIDUAL), int(Stream.DRAFT))
+    plain = sampler.race_ref(probs[rows], seeds, positions, stream)
+    # rows 1 and 4 lose the token they would draw from p; row 3 excludes nothing
+    exclude = torch.tensor([-1, int(plain[1]), 5, -1, int(plain[4]), 7])
+    keep = torch.tensor([1, 0, -1, 2, 0, -1])  # never the plane a residual row reads
+    ref_store = store.clone()
+    ref = draw_rows_ref(probs, rows, ref_store, planes, keep, exclude, use, seeds, positions,
+                        stream)  # fmt: skip
+    got_store = store.to(DEVICE)
+    got = race_gathered(probs.to(DEVICE), rows.to(DEVICE), got_store, planes.to(DEVICE),
+                        keep.to(DEVICE), exclude.to(DEVICE), use.to(DEVICE), seeds.to(DEVICE),
+                        positions.to(DEVICE), stream.to(DEVICE))  # fmt: skip
+    assert torch.equal(got.cpu(), ref)
+    assert torch.equal(got_store.cpu(), ref_store)
+    assert ref[1] != plain[1] and ref[4] != plain[4]  # the exclusion was read
+    assert torch.equal(ref_store[1, 0], probs[4]) and ref_store[0, 1, plain[1]] == 0
+    assert torch.equal(ref_store[:, [2, 5, 6, 7]], store[:, [2, 5, 6, 7]])  # keep -1: untouched
 
 
 def _filter_case(n: int, v: int, seed: int) -> torch.Tensor:
