@@ -63,7 +63,7 @@ def rejected_at(probs: torch.Tensor, q_store: torch.Tensor, chain: torch.Tensor,
     tok = torch.empty(t, dtype=torch.int64, device=probs.device)
     if t:
         _rejected_at_kernel[(triton.cdiv(t, BLOCK),)](
-            probs, q_store, chain.contiguous(), row, j, checks.to(torch.int8), seed, x_pos,
+            probs, q_store, chain.contiguous(), row, j, checks, seed, x_pos,
             held, out, tok, t, depth, probs.stride(0), q_store.stride(0), q_store.stride(1),
             n, STREAM=ACCEPT_STREAM, BLOCK=BLOCK)  # fmt: skip
     return out, tok

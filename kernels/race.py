@@ -269,7 +269,7 @@ def race_gathered(w: torch.Tensor, rows: torch.Tensor, store: torch.Tensor,
             raise ValueError(f"{name} must be int64 [{n}], got {x.dtype} {tuple(x.shape)}")
     if use_minus.shape != (n,):
         raise ValueError(f"use_minus must be bool [{n}]")
-    return _race(w, store, use_minus.to(torch.int8), n, seeds, positions, stream, True,
+    return _race(w, store, use_minus, n, seeds, positions, stream, True,
                  (rows, planes, keep_planes, exclude), (store.stride(1), store.stride(0)))
 
 

@@ -287,8 +287,9 @@ class DecoderModel(nn.Module):
         samples. On a GPU the logits stay in the model's dtype: the sampling kernels
         (``kernels/top_k_top_p.py``) load them as float32, the float32 copy's values exactly,
         and the argmax is ``greedy_tokens``'; without the [N, vocab] float32 copy and torch's
-        row-a-block argmax (~0.08 ms a 64-row step at Qwen2.5's vocabulary on an H100,
-        docs/benchmarks.md §8.48). Elsewhere ``compute_logits``' float32 and its argmax."""
+        row-a-block argmax (42 and 35 us a forward of sampled ``aspire`` on Qwen2.5 at 64
+        rows, H100: the profile in docs/bench_diag_h100_qwen05b_32k_t07p09_s35_atstart.json).
+        Elsewhere ``compute_logits``' float32 and its argmax."""
         logits = self.lm_head.logits(hidden)
         if fused_ops(logits):
             from aspire_ray.kernels.argmax import argmax_rows

@@ -23,7 +23,9 @@ draft, here and in the reference alike.
 Every operation is a tensor op over fixed shapes (capturable): the step's [t, V] probabilities
 once, one draw a row (``kernels/race.py``'s ``race_gathered`` on a GPU, which reads each row's
 distribution where it lies and keeps a draft row's q, ``draw_rows_ref`` elsewhere), the
-acceptance test (``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere).
+acceptance test (``kernels/accept.py`` on a GPU, ``rejected_at_ref`` elsewhere), and the small
+per-query and per-row tensors around them in three launches on a GPU
+(``kernels/choice_rows.py``; ``query_layout_ref``, ``row_draws_ref`` and ``choose_ref`` here).
 """
 
 from __future__ import annotations
@@ -71,51 +73,87 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     q of each held draft; a sampled draft row's new q is written in place at its plane
     [held]. -> int64 [t].
     """
-    t, n, depth = logits.shape[0], held.shape[0], chain.shape[0]
-    dev = logits.device
-    bounds = qo.long()
-    i = torch.arange(t, device=dev)
-    row = torch.searchsorted(bounds[1:].contiguous(), i, right=True).clamp(max=n - 1)  # [t]
+    t = logits.shape[0]
+    fused = fused_ops(logits)
+    if fused:
+        from aspire_ray.kernels import accept, choice_rows, race
+
+        layout, outcome, draw, choose = (choice_rows.query_layout, choice_rows.row_draws,
+                                         race.race_gathered, choice_rows.choose)  # fmt: skip
+        test = accept.rejected_at
+    else:
+        layout, outcome, draw, choose = query_layout_ref, row_draws_ref, draw_rows_ref, choose_ref
+        test = rejected_at_ref
+    row, j, live, q_temperature, q_top_k, q_top_p, checks, d = layout(
+        qo, sampled, verify, held, temperature, top_k, top_p, t)
+    probs = sampler.probs_from_logits(logits, q_temperature, q_top_k, q_top_p, *variant)
+    # verify rows: each query's test of its draft, then each row's first rejected draft a
+    # (d where none is) and its one draw, in one race (its cost is per row): a draft row's
+    # from q, its first query's distribution, on the DRAFT stream at the position it
+    # predicts; a verify row's last token from the residual at its first rejection without
+    # the rejected draft (RESIDUAL stream), else from p_d (TARGET), at x_pos + 1 + a. A
+    # sampled draft row keeps its q at plane [held]; no other row's is read again.
+    rejected_at, token = test(probs, q_store, chain, row, j, checks, seed, x_pos, d)
+    a, rows, planes, keep, exclude, residual, position, stream = outcome(
+        qo, rejected_at, d, verify, sampled, held, x_pos, chain)
+    drawn = draw(probs, rows, q_store, planes, keep, exclude, residual, seed, position, stream)
+    return choose(argmax, token, drawn, a, row, j, live, verify)
+
+
+def query_layout_ref(qo: torch.Tensor, sampled: torch.Tensor, verify: torch.Tensor,
+                     held: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``kernels.choice_rows.query_layout`` in torch: each query's row and index in it,
+    whether it is a live sampled query, its sampling parameters (neutral elsewhere), whether
+    it tests a draft; each row's drafts under test d."""
+    n, dev = held.shape[0], held.device
+    bounds, i = qo.long(), torch.arange(t, device=dev)
+    row = _row_of(bounds, i, n)
     j = i - bounds[row]  # each query's index in its row
     live = (i < bounds[n]) & sampled[row]  # queries of sampled rows
     verifying = verify > 0
-    probs = sampler.probs_from_logits(
-        logits, torch.where(live, temperature[row], 1.0), torch.where(live, top_k[row], 0),
-        torch.where(live, top_p[row], 1.0), *variant)  # [t, V]
-    cols = torch.arange(n, device=dev)
-    first = bounds[:n].clamp(max=t - 1)  # each row's first query
-
-    drafting = sampled & ~verifying
-
-    # verify rows: the first rejected draft, a [n] (d where none is)
     d = torch.where(verifying, held, 0)
     checks = live & verifying[row] & (j < d[row])
-    fn = rejected_at_ref
-    if fused_ops(probs):
-        from aspire_ray.kernels.accept import rejected_at as fn
-    rejected_at, token = fn(probs, q_store, chain, row, j, checks, seed, x_pos, d)
+    return (row, j, live, torch.where(live, temperature[row], 1.0),
+            torch.where(live, top_k[row], 0), torch.where(live, top_p[row], 1.0), checks, d)
+
+
+def _row_of(bounds: torch.Tensor, i: torch.Tensor, n: int) -> torch.Tensor:
+    """Each query's row, int64 [t], from the rows' query offsets [n + 1] (padding queries
+    past bounds[n] counted in the last row)."""
+    return torch.searchsorted(bounds[1:].contiguous(), i, right=True).clamp(max=n - 1)
+
+
+def row_draws_ref(qo: torch.Tensor, rejected_at: torch.Tensor, d: torch.Tensor,
+                  verify: torch.Tensor, sampled: torch.Tensor, held: torch.Tensor,
+                  x_pos: torch.Tensor,
+                  chain: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``kernels.choice_rows.row_draws`` in torch: each row's first rejected draft a and
+    the arguments of its draw (``draw_rows_ref``)."""
+    n, t, depth = d.shape[0], rejected_at.shape[0], chain.shape[0]
+    bounds = qo.long()
+    row = _row_of(bounds, torch.arange(t, device=d.device), n)
     a = d.scatter_reduce(0, row, rejected_at, reduce="amin")
+    verifying = verify > 0
     residual = sampled & verifying & (a < d)
     ac = a.clamp(max=depth - 1)
-    # one draw a row, in one race (its cost is per row): a draft row's from q, its first
-    # query's distribution, on the DRAFT stream at the position it predicts; a verify row's
-    # last token from the residual at its first rejection (RESIDUAL stream), else from p_d
-    # (TARGET), at x_pos + 1 + a; a residual row's p_a without its rejected draft
+    rows = (bounds[:n].clamp(max=t - 1) + a).clamp(max=t - 1)
+    keep = torch.where(sampled & ~verifying, held.clamp(max=depth - 1), -1)
+    exclude = torch.where(residual, chain[ac, torch.arange(n, device=d.device)], -1)
+    position = torch.where(verifying, x_pos + 1 + a, x_pos + held + 1)
     stream = torch.where(verifying, torch.where(residual, int(Stream.RESIDUAL),
                                                 int(Stream.TARGET)), int(Stream.DRAFT))
-    position = torch.where(verifying, x_pos + 1 + a, x_pos + held + 1)
-    exclude = torch.where(residual, chain[ac, cols], -1)
-    # a sampled draft row keeps its q at plane [held] (a = 0: its first query's p); no other
-    # row's is read again, and a verify row's kept plane could be the one its residual reads
-    keep = torch.where(drafting, held.clamp(max=depth - 1), -1)
-    draw = draw_rows_ref
-    if fused_ops(probs):
-        from aspire_ray.kernels.race import race_gathered as draw
-    drawn = draw(probs, (first + a).clamp(max=t - 1), q_store, ac, keep, exclude, residual,
-                 seed, position, stream)  # fmt: skip
+    return a, rows, ac, keep, exclude, residual, position, stream
 
-    choice = torch.where(live & drafting[row] & (j == 0), drawn[row], argmax)
-    in_verify = live & verifying[row]
+
+def choose_ref(argmax: torch.Tensor, token: torch.Tensor, drawn: torch.Tensor, a: torch.Tensor,
+               row: torch.Tensor, j: torch.Tensor, live: torch.Tensor,
+               verify: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``kernels.choice_rows.choose`` in torch: a live draft row's query takes its draw; a
+    live verify row's queries its tested drafts before a, its draw at a; others the argmax."""
+    verifying = verify[row] > 0
+    choice = torch.where(live & ~verifying & (j == 0), drawn[row], argmax)
+    in_verify = live & verifying
     choice = torch.where(in_verify & (j < a[row]), token, choice)
     return torch.where(in_verify & (j == a[row]), drawn[row], choice)
 
