@@ -86,14 +86,25 @@ def _kept_goal(kept_ptr, top_p, r, n_chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _exp_kernel(x_ptr, temp_ptr, top_ptr, out_ptr, V, stride_x, CHUNK: tl.constexpr):
-    """e = exp(x / T - max) into out (top: each row's max of x / T)."""
+def _exp_kernel(x_ptr, temp_ptr, part_ptr, out_ptr, kept_ptr, V, stride_x, n_chunks,
+                CHUNK: tl.constexpr, CHUNKS: tl.constexpr, KEPT: tl.constexpr):  # fmt: skip
+    """e = exp(x / T - max) into out, the row's max from its chunks' (part [N, n_chunks],
+    ``_max_kernel``'s); with KEPT, each chunk's sum of e into kept [N, n_chunks]: its mass
+    at or above a floor of 0, what ``_kept_kernel`` sums there (one pass over the rows
+    fewer where no row cuts by top-k)."""
     r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
     ok = cols < V
+    k = tl.arange(0, CHUNKS)
+    top = tl.max(tl.load(part_ptr + r * n_chunks + k, mask=k < n_chunks, other=float("-inf")),
+                 0)  # fmt: skip
     x = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
     scaled = tl.math.div_rn(x, tl.load(temp_ptr + r))
-    tl.store(out_ptr + r * V + cols, tl.exp(scaled - tl.load(top_ptr + r)), mask=ok)
+    e = tl.exp(scaled - top)  # 0 past V, as _kept_kernel reads it
+    tl.store(out_ptr + r * V + cols, e, mask=ok)
+    if KEPT:
+        tl.store(kept_ptr + r * n_chunks + c, tl.sum(tl.where(e >= 0.0, e, 0.0), 0))
 
 
 @triton.jit
@@ -292,8 +303,10 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=dev)
     _max_kernel[grid](x, temperature, maxes, v, x.stride(0), chunks, CHUNK=FILTER_CHUNK,
                       num_warps=8)  # fmt: skip
-    _exp_kernel[grid](x, temperature, maxes.amax(dim=1), out, v, x.stride(0),
-                      CHUNK=FILTER_CHUNK, num_warps=8)  # fmt: skip
+    # without top-k the floor is 0 and the exp launch sums the chunks' mass (_kept_kernel's)
+    kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
+    _exp_kernel[grid](x, temperature, maxes, out, kept_k, v, x.stride(0), chunks,
+                      CHUNK=FILTER_CHUNK, CHUNKS=ch, KEPT=not need_k, num_warps=8)  # fmt: skip
 
     def search(mode, goal, kept_in, floor_in, lo, hi) -> torch.Tensor:
         """The floor [N] of one search from the brackets (lo, hi) [N]: full_passes launches
@@ -319,12 +332,11 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
         return floor
 
     zero = torch.zeros(n, dtype=torch.float32, device=dev)
-    kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
     floor = zero
     if need_k:  # bracket [0, 1.0 + 1 ulp) where the row cuts, else closed at 0
         cut = (top_k > 0) & (top_k < v)
         floor = search(COUNT, top_k, kept_k, zero, 0, torch.where(cut, ONE + 1, 1))
-    _kept_kernel[grid](out, floor, kept_k, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
+        _kept_kernel[grid](out, floor, kept_k, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
     kept = kept_k
     if need_p:  # bracket (top-k's floor - 1 ulp, 1.0] where top_p < 1, else closed at it
         bits = floor.view(torch.int32)
