@@ -12,7 +12,13 @@ For each row count (a draft step's batch, a verification's batch x (gamma + 1) r
   (``--baseline-race FILE``);
 - the check: the same support, max abs difference of the probabilities, the same draws;
 - accept: a sampled verification's acceptance test (``verify_sampled_batch``, eager, to host
-  tokens) of ``--accept-rows`` rows of ``--gamma`` drafts.
+  tokens) of ``--accept-rows`` rows of ``--gamma`` drafts;
+- choices: an asynchronous step's ``sampled_choices`` (``--accept-rows`` rows, one in
+  ``--verify-every`` verifying ``--gamma`` drafts, the rest drafting; bf16 logits) on the GPU
+  path (``kernels/choice_rows.py``, ``race_gathered``, the acceptance kernel) against the
+  torch references of the same steps (``fused_ops`` off: the filter and the race are the GPU
+  kernels in both), the same choices and q store asserted; and the step's logits to the
+  sampling's input, the argmax of a float32 copy against ``argmax_rows`` of the bf16 logits.
 Bytes each must move: the filter reads the logits and writes the probabilities (8 bytes a
 token), the race reads the probabilities (4); floor = bytes / the copy bandwidth of this run.
 Times are medians over ``--reps`` runs with CUDA events, L2 flushed before each; the filter's
@@ -52,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="filter passes over whole rows before the candidates are compacted")
     p.add_argument("--accept-rows", type=int, default=64, help="rows of the acceptance case")
     p.add_argument("--gamma", type=int, default=5, help="drafts a row, acceptance case")
+    p.add_argument("--verify-every", type=int, default=7,
+                   help="choices case: one row in this many verifies")
     p.add_argument("--baseline-filter", default=None,
                    help="a file whose filter_probs(x, T, top_k, top_p, need_k, need_p) is timed "
                         "beside ours (an older kernels file: git show REV:PATH > FILE)")
@@ -142,9 +150,54 @@ def main(argv: list[str] | None = None) -> None:
     accept = accept_case(a, timer)
     print(f"accept: {accept['rows']} rows x {accept['gamma']} drafts to host tokens "
           f"{accept['ms']:.3f} ms (mean accepted {accept['mean_accepted']:.2f})", flush=True)
+    choices = choices_case(a, timer, "cuda")
+    print(f"choices: {choices['rows']} rows, {choices['queries']} queries: "
+          f"{choices['ms']:.3f} ms (torch references {choices['torch_ms']:.3f}); logits to "
+          f"argmax {choices['argmax_bf16_ms']:.3f} ms (float32 copy + torch "
+          f"{choices['argmax_float_ms']:.3f})", flush=True)
     with open(a.out, "w") as f:
         json.dump(dict(device=props.name, torch=torch.__version__, copy_gbps=copy_gbps,
-                       args=vars(a), results=results, accept=accept), f, indent=1)  # fmt: skip
+                       args=vars(a), results=results, accept=accept, choices=choices), f,
+                  indent=1)  # fmt: skip
+
+
+def choices_case(a: argparse.Namespace, timer, device: str) -> dict:
+    """An asynchronous step's ``sampled_choices`` both ways (module docstring); timer(fn) ->
+    ms. Runs on the CPU too (the kernels under Triton's interpreter), where only the checks
+    mean anything."""
+    from aspire_ray.kernels.argmax import argmax_rows
+    from aspire_ray.worker import sampled_rows
+
+    n, gamma, g = a.accept_rows, a.gamma, torch.Generator().manual_seed(1)
+    verify = (torch.arange(n) % a.verify_every == 0).long()
+    held = torch.where(verify > 0, gamma, torch.arange(n) % gamma)  # draft rows hold < gamma
+    qo = torch.cat([torch.zeros(1, dtype=torch.int64),
+                    torch.where(verify > 0, gamma + 1, 1).cumsum(0)]).to(torch.int32)
+    t = int(qo[-1])
+    logits = (3 * torch.randn(t, a.vocab, generator=g)).to(torch.bfloat16)
+    q_store = torch.softmax(3 * torch.randn(gamma + 1, n, a.vocab, generator=g), dim=-1)
+    chain = torch.randint(0, a.vocab, (gamma + 1, n), generator=g)
+    rows = [qo, verify, held, 100 * torch.arange(n), chain, torch.ones(n, dtype=torch.bool),
+            torch.arange(n), torch.full((n,), a.top_k), torch.full((n,), a.temperature),
+            torch.full((n,), a.top_p)]  # fmt: skip
+    on = [x.to(device) for x in [logits, *rows]]
+    gpu = device == "cuda"  # the CPU's filter is the torch one, which wants float32
+    logits_d = on[0] if gpu else on[0].float()
+    argmax = argmax_rows(logits_d) if gpu else logits_d.argmax(dim=-1)
+    store = q_store.to(device)
+    runs, ms = {}, {}
+    for kernels in (True, False):
+        step = partial(sampled_rows.sampled_choices, logits_d, argmax, *on[1:],
+                       (a.top_k > 0, a.top_p < 1.0), kernels=kernels)  # fmt: skip
+        kept = store.clone()
+        runs[kernels] = (step(kept), kept)
+        ms[kernels] = timer(lambda step=step: step(q_store=store.clone()))
+    assert torch.equal(runs[True][0], runs[False][0]), "the choices differ"
+    assert torch.equal(runs[True][1], runs[False][1]), "the q stores differ"
+    argmax_float = timer(lambda: logits_d.float().argmax(dim=-1))
+    argmax_bf16 = timer(partial(argmax_rows, logits_d)) if gpu else argmax_float
+    return dict(rows=n, queries=t, verify_every=a.verify_every, gamma=gamma, ms=ms[True],
+                torch_ms=ms[False], argmax_bf16_ms=argmax_bf16, argmax_float_ms=argmax_float)
 
 
 def accept_case(a: argparse.Namespace, timer: Timer) -> dict:

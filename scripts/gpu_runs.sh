@@ -23,7 +23,8 @@
 #   bash scripts/gpu_runs.sh kernels   (bench_fused_epilogues.py, bench_step_kernels.py,
 #     bench_fused_mlp.py: no model)
 #   bash scripts/gpu_runs.sh sampling [EXTRA...]   (bench_sampling.py: the sampling kernels
-#     against their torch references, filter search shapes swept; no model)
+#     against their torch references, filter search shapes swept, an asynchronous step's
+#     sampled choices through the kernels and the torch code; no model)
 #   bash scripts/gpu_runs.sh prefill [CONTEXT] [BATCH] [REPEATS]   (bench_prefill.py: prefill
 #     through the paged kernel against SDPA, and the FLOP floor)
 #   bash scripts/gpu_runs.sh serve SPEC_MODE DRIVER [PROMPTS] [PROMPT_TOKENS] [MAX_TOKENS] [REPEATS]

@@ -1,6 +1,6 @@
 """scripts/bench_sampling.py: one small run on a CUDA GPU (skipped elsewhere): the filter keeps
 the reference's tokens (the script asserts it), the race draws the reference's
-tokens, and the JSON holds a row per row count and filter."""
+tokens, and the JSON holds a row per row count and filter; its choices case on the CPU too."""
 
 from __future__ import annotations
 
@@ -33,3 +33,16 @@ def test_small_run_on_gpu(tmp_path):
         assert set(x["filter_ways"]) == {"8x1", "8x4"} and x["filter_baseline_ms"] > 0
         assert x["race_baseline_ms"] > 0 and x["race_full_support_baseline_ms"] > 0
     assert r["accept"]["rows"] == 4 and 0 <= r["accept"]["mean_accepted"] <= 5
+    assert r["choices"]["ms"] > 0 and r["choices"]["torch_ms"] > 0  # the same choices asserted
+
+
+def test_the_choices_case_checks_both_ways_on_the_cpu():
+    """The choices case on the CPU (the kernels under Triton's interpreter): it asserts the same
+    choices and q store both ways; its times here mean nothing."""
+    import argparse
+
+    a = argparse.Namespace(accept_rows=9, gamma=3, verify_every=3, vocab=3000, top_k=20,
+                           temperature=0.7, top_p=0.8)  # fmt: skip
+    with scripts_imported("bench_sampling") as (bench,):
+        r = bench.choices_case(a, lambda fn: (fn(), 0.0)[1], "cpu")
+    assert (r["rows"], r["queries"]) == (9, 3 * 4 + 6)

@@ -84,7 +84,7 @@ def test_choices_are_rejection_sampling():
     assert {(3, True), (3, False), (2, False)} <= outcomes, outcomes
 
 
-def test_the_kernels_choose_and_keep_as_the_torch_code(monkeypatch):
+def test_the_kernels_choose_and_keep_as_the_torch_code():
     """The Triton path (the acceptance test and ``race_gathered``, run here by Triton's
     interpreter without a GPU) against the torch code: the same choices and the same q store
     after (on a GPU both from the same probabilities, ``filter_probs``')."""
@@ -99,12 +99,11 @@ def test_the_kernels_choose_and_keep_as_the_torch_code(monkeypatch):
         seed = torch.arange(n, dtype=torch.int64) * 7919 + case
         runs = []
         for kernels in (False, True):
-            monkeypatch.setattr(sampled_rows, "fused_ops", lambda x, on=kernels: on)
             store = q_store.clone().to(DEVICE)
             args = [x.to(DEVICE) for x in (logits, logits.argmax(dim=-1), qo, verify, held,
                                            x_pos, chain, sampled, seed, top_k, temperature,
                                            top_p)]  # fmt: skip
-            choice = sampled_rows.sampled_choices(*args, (True, True), store)
+            choice = sampled_rows.sampled_choices(*args, (True, True), store, kernels)
             runs.append((choice.cpu(), store.cpu()))
         (want, want_store), (got, got_store) = runs
         assert torch.equal(got, want), case

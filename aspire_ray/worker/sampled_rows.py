@@ -61,7 +61,8 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
                     verify: torch.Tensor, held: torch.Tensor, x_pos: torch.Tensor,
                     chain: torch.Tensor, sampled: torch.Tensor, seed: torch.Tensor,
                     top_k: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                    variant: tuple[bool, bool], q_store: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                    variant: tuple[bool, bool], q_store: torch.Tensor,
+                    kernels: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Each query's choice (module docstring); greedy rows keep their argmax.
 
     logits [t, V] (float32; on a GPU the model's dtype, ``DecoderModel.sampling_logits``);
@@ -71,11 +72,12 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     False), seed, top_k int64, temperature, top_p float32; chain int64 [D, n] the drafts held;
     variant: (need_k, need_p) of ``sampler.probs_from_logits``; q_store float32 [D, n, V] the
     q of each held draft; a sampled draft row's new q is written in place at its plane
-    [held]. -> int64 [t].
+    [held]; kernels: the Triton launches (True; on the CPU under Triton's interpreter) or the
+    torch references (False) for all but the probabilities (None: Triton on a GPU).
+    -> int64 [t].
     """
     t = logits.shape[0]
-    fused = fused_ops(logits)
-    if fused:
+    if fused_ops(logits) if kernels is None else kernels:
         from aspire_ray.kernels import accept, choice_rows, race
 
         layout, outcome, draw, choose = (choice_rows.query_layout, choice_rows.row_draws,
