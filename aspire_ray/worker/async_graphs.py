@@ -325,10 +325,10 @@ class AsyncStepGraphs:
 
     def pending_q(self, row: int, held: int) -> list[torch.Tensor]:
         """The q of the drafts device row ``row`` held at the last ``snapshot_q`` (``held`` of
-        them, at most its depth), each its own float32 [V] copy (each q waits alone for its
-        request's verification)."""
+        them, at most its depth), float32 [V] each: views of one copy of the row's (one
+        launch a row, not a draft; the row's drafts wait together for its verification)."""
         snap = self.q_snap[self.loaded]
-        return [snap[j, row].clone() for j in range(held)]
+        return list(snap[:held, row].clone().unbind(0)) if held > 0 else []
 
     # ---- a run continued on the device ---------------------------------------------------------
     def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor]) -> bool:
