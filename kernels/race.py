@@ -239,7 +239,7 @@ def race_rows(w: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                              f"{minus.dtype} {tuple(minus.shape)}")  # fmt: skip
         if use_minus is None or use_minus.shape != (n,):
             raise ValueError(f"use_minus must be bool [{n}] with minus")
-    m, use = (minus, use_minus.to(torch.int8)) if has_minus else (w, seeds)  # unread without
+    m, use = (minus, use_minus) if has_minus else (w, seeds)  # use unread without minus
     return _race(w, m, use, n, seeds, positions, stream, has_minus, None, (m.stride(0), 0))
 
 

@@ -210,6 +210,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h, residual))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] -> int64 [N]: ``kernels.argmax`` on a GPU, torch's elsewhere."""
+    if fused_ops(logits):
+        from aspire_ray.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class DecoderModel(nn.Module):
     """Embedding -> N decoder layers -> final norm; ``compute_logits`` for selected tokens."""
 
@@ -291,12 +300,9 @@ class DecoderModel(nn.Module):
         rows, H100: the profile in docs/bench_diag_h100_qwen05b_32k_t07p09_s35_atstart.json).
         Elsewhere ``compute_logits``' float32 and its argmax."""
         logits = self.lm_head.logits(hidden)
-        if fused_ops(logits):
-            from aspire_ray.kernels.argmax import argmax_rows
-
-            return logits, argmax_rows(logits)
-        logits = logits.float()
-        return logits, logits.argmax(dim=-1)
+        if not fused_ops(logits):
+            logits = logits.float()
+        return logits, _argmax(logits)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> int64 [N], the logits' argmax taken in the model's dtype: its
@@ -304,12 +310,7 @@ class DecoderModel(nn.Module):
         ``compute_logits(hidden).argmax(-1)``, without the [N, vocab] float32 copy (~28 us a
         64-row step at Qwen2.5's 152k vocabulary on an H200). On a GPU the argmax is
         ``kernels.argmax`` (two launches over every SM; torch's reduction keeps a row a block)."""
-        logits = self.lm_head.logits(hidden)
-        if fused_ops(logits):
-            from aspire_ray.kernels.argmax import argmax_rows
-
-            return argmax_rows(logits)
-        return logits.argmax(dim=-1)
+        return _argmax(self.lm_head.logits(hidden))
 
     def load_weights(self, weights) -> set[str]:
         """Load (hf_name, full tensor) pairs; returns the names of parameters loaded."""
