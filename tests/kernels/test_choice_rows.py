@@ -5,7 +5,7 @@ and padding rows (under Triton's interpreter without a GPU)."""
 import pytest
 import torch
 
-from aspire_ray.kernels import choice_rows
+from aspire_ray.kernels import accept, choice_rows
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampled_rows as ref
 
@@ -14,6 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_the_stream_numbers_are_the_plans():
     assert choice_rows.STREAMS == (Stream.TARGET, Stream.DRAFT, Stream.RESIDUAL)
+    assert accept.ACCEPT_STREAM == Stream.ACCEPT
 
 
 def _layout(seed: int, depth: int):
