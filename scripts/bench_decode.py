@@ -30,7 +30,12 @@ import warnings
 from bench_tp import SHAPES
 from floor_report import clock_summary
 from traces import TraceRecorder, Traces, engine_meta
-from workloads import heterogeneous_requests, long_context_prompts, short_prompts
+from workloads import (
+    available_domains,
+    heterogeneous_requests,
+    long_context_prompts,
+    short_prompts,
+)
 
 from aspire_ray import LLM, SamplingParams
 from aspire_ray.config import SpecConfig
@@ -522,6 +527,11 @@ def main() -> None:
                      hf_overrides=DUMMY_SHAPES[args.dummy_shapes],
                      num_pages=(int(args.batch) + 4) * pages_per_request)
     report = {"args": vars(args), "results": []}
+    if "mix" in args.contexts.split(","):  # the domains this machine has text for, and why not
+        report["mix_domains"] = available_domains()
+        for domain, why in report["mix_domains"].items():
+            if why is not None:
+                print(f"mix: domain {domain!r} left out: {why}", flush=True)
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         startup_s: dict[str, float] = {}  # mode -> seconds its LLM took to build

@@ -478,7 +478,7 @@ def main() -> None:
     print(table(results, bw))
     if any(r["graph_kinds"] for r in results):  # the steps as they run in their plans
         print()
-        print(graph_kinds_table(results))
+        print(graph_kinds_table(results, args.batch))
     slopes = draft_slopes(results)
     if slopes:  # modes at two gammas: their draft step alone
         print()

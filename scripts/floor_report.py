@@ -408,14 +408,27 @@ def _slope_floors(results: list[dict]) -> dict[str, dict[str, float]]:
     return floors
 
 
-def graph_kinds_table(results: list[dict]) -> str:
-    """Per mode, each graph kind's GPU ms a replay on the graph clock (``by_kind``: the steps
-    as they run in their plans, rounds and runs, unprofiled) against the floor of bench_floor's
-    step kind of that name, where the mode timed one (its bytes / bandwidth); a round mode's
-    draft and verify graphs, where it ran at two gammas, against ``_slope_floors``'."""
-    lines = ["| mode | graph kind | replays | GPU ms a replay (median) | mean | floor ms "
-             "| ratio (median) | ratio (mean) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+def _batch_floor(step: dict, batch: int | None) -> tuple[float, str]:
+    """A step kind's floor in ms for a graph of ``batch`` rows, with a note. A round mode's own
+    draft and verify steps are the few a plan runs alone near the requests' ends, on fewer rows
+    than the round's graphs replay; their KV bytes are a row's times its rows, so the graph's
+    floor takes the weights once and the KV scaled to the batch."""
+    rows, floor = step.get("rows"), step["floor_ms"]
+    if not batch or not rows or rows >= batch or "bytes" not in step:
+        return floor, ""
+    b = step["bytes"]
+    scaled = b["weights"] + b["kv"] * batch / rows
+    return floor * scaled / b["total"], f" ({rows:g} rows to {batch})"
+
+
+def graph_kind_rows(results: list[dict], batch: int | None = None) -> list[dict]:
+    """Per mode and graph kind: replays, GPU ms a replay on the graph clock (``by_kind``: the
+    steps as they run in their plans, rounds and runs, unprofiled; median and mean) and the
+    floor of bench_floor's step kind of that name, where the mode timed one (its bytes /
+    bandwidth, its KV scaled to ``batch`` rows where the step kind ran on fewer:
+    ``_batch_floor``; None where none), with the floor's note; a round mode's draft and verify
+    graphs, where it ran at two gammas, against ``_slope_floors``'."""
+    rows = []
     slope_floors = _slope_floors(results)
     for r in results:
         for kind, g in r.get("graph_kinds", {}).items():
@@ -425,13 +438,56 @@ def graph_kinds_table(results: list[dict]) -> str:
             step = r["kinds"].get(_CLOCK_KINDS.get(kind, kind))
             if kind in slope_floors.get(r["mode"], {}):
                 step = {"floor_ms": slope_floors[r["mode"]][kind]}
+            floor, note = _batch_floor(step, batch) if step else (None, "")
             # an asynchronous run's steps differ (verify rows on some): its mean is its cost
-            mean = g.get("mean_ms", g["median_ms"])
-            floor = (f"{step['floor_ms']:.3f} | {g['median_ms'] / step['floor_ms']:.2f}x "
-                     f"| {mean / step['floor_ms']:.2f}x") if step else "- | - | -"
-            lines.append(f"| {r['mode']} | {kind} | {g['replays']} | {g['median_ms']:.3f} "
-                         f"| {mean:.3f} | {floor} |")  # fmt: skip
+            rows.append({"mode": r["mode"], "kind": kind, "replays": g["replays"],
+                         "median_ms": g["median_ms"], "mean_ms": g.get("mean_ms", g["median_ms"]),
+                         "floor_ms": floor, "note": note})  # fmt: skip
+    return rows
+
+
+def graph_kinds_table(results: list[dict], batch: int | None = None) -> str:
+    """``graph_kind_rows`` as a table, with each kind's ratios to its floor."""
+    lines = ["| mode | graph kind | replays | GPU ms a replay (median) | mean | floor ms "
+             "| ratio (median) | ratio (mean) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for g in graph_kind_rows(results, batch):
+        floor = g["floor_ms"]
+        cells = (f"{floor:.3f}{g['note']} | {g['median_ms'] / floor:.2f}x "
+                 f"| {g['mean_ms'] / floor:.2f}x") if floor else "- | - | -"  # fmt: skip
+        lines.append(f"| {g['mode']} | {g['kind']} | {g['replays']} | {g['median_ms']:.3f} "
+                     f"| {g['mean_ms']:.3f} | {cells} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def plot_graph_kinds(results: list[dict], batch: int | None, path: str, title: str) -> bool:
+    """A PNG of ``graph_kind_rows``' kinds with a floor: GPU ms a replay (mean) beside the floor,
+    the ratio over each pair. False where matplotlib is missing (the GPU host has none)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [g for g in graph_kind_rows(results, batch) if g["floor_ms"]]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.2 * len(rows)), 4.2))
+    ax.bar([i - 0.2 for i in x], [g["mean_ms"] for g in rows], 0.4, label="GPU ms a replay (mean)")
+    ax.bar([i + 0.2 for i in x], [g["floor_ms"] for g in rows], 0.4,
+           label="floor = bytes / copy bandwidth")  # fmt: skip
+    for i, g in zip(x, rows, strict=True):
+        ax.annotate(f"{g['mean_ms'] / g['floor_ms']:.2f}x", (i, g["mean_ms"]), ha="center",
+                    va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(list(x), [f"{g['mode']}\n{g['kind']}" for g in rows], fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_ylim(0, 1.25 * max(g["mean_ms"] for g in rows))  # room for the legend above
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def graph_ratios(results: list[dict]) -> list[dict]:
@@ -488,6 +544,8 @@ def draft_slopes(results: list[dict]) -> list[dict]:
             continue
         (ga, a), (gb, b) = min(rounds, key=lambda x: x[0]), max(rounds, key=lambda x: x[0])
         steps = gb - ga
+        if steps == 0:  # one gamma twice (runs joined, e.g. greedy and sampled): no slope
+            continue
         wall = (b["wall_ms"] - a["wall_ms"]) / steps
         floor = (b["floor_ms"] - a["floor_ms"]) / steps
         row = {"mode": base, "gammas": [ga, gb], "wall_ms": wall, "floor_ms": floor,
@@ -522,14 +580,25 @@ def slopes_table(slopes: list[dict]) -> str:
 
 
 if __name__ == "__main__":  # the tables of stored bench_floor JSONs (their results joined)
-    if len(sys.argv) < 2:
-        sys.exit("usage: python3 scripts/floor_report.py FLOOR.json [FLOOR.json ...]")
-    reports = [json.load(open(path)) for path in sys.argv[1:]]
+    args = sys.argv[1:]
+    png = args.pop(args.index("--plot") + 1) if "--plot" in args else None
+    args = [a for a in args if a != "--plot"]
+    if not args:
+        sys.exit("usage: python3 scripts/floor_report.py FLOOR.json [FLOOR.json ...] "
+                 "[--plot PNG]")  # fmt: skip
+    reports = [json.load(open(path)) for path in args]
     joined = [r for rep in reports for r in rep["results"]]
+    batch = reports[0]["args"].get("batch")
     print(table(joined, reports[0]["bandwidth"]))
     if any(r.get("graph_kinds") for r in joined):
         print()
-        print(graph_kinds_table(joined))
+        print(graph_kinds_table(joined, batch))
+        if png:  # the graph kinds against their floors
+            a = reports[0]["args"]
+            title = (f"{a.get('dummy_shapes') or a['model'].rsplit('/', 1)[-1]}, context "
+                     f"{a['context']}, batch {batch}, {reports[0]['gpu']}")  # fmt: skip
+            drawn = plot_graph_kinds(joined, batch, png, title)
+            print(f"\n{png}" if drawn else "\nmatplotlib is not installed: no plot")
     if draft_slopes(joined):
         print()
         print(slopes_table(draft_slopes(joined)))

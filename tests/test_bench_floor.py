@@ -183,6 +183,37 @@ def test_graph_kinds_of_rounds_take_the_slope_floors():
     assert "| magicdec/g7 | draft | 10 | 2.500 | 2.500 | 1.000 | 2.50x | 2.50x |" in text
 
 
+def test_graph_kinds_of_a_lone_step_kind_take_its_kv_at_the_batch():
+    # a round mode at one gamma: its own draft steps ran on 32 rows (near the requests' ends);
+    # the round's draft graph replays 64, so its floor is the weights once and twice the KV:
+    # 1 GB + 2 x 0.5 GB over the step's 1.5 GB in 1.5 ms (1 GB/ms) = 2.0 ms
+    draft = {"rows": 32.0, "floor_ms": 1.5,
+             "bytes": {"weights": 1e9, "kv": 0.5e9, "total": 1.5e9}}  # fmt: skip
+    results = [{"mode": "magicdec/g8", "kinds": {"draft": draft},
+                "graph_kinds": {"draft": {"replays": 10, "median_ms": 4.0}}}]  # fmt: skip
+    text = fr.graph_kinds_table(results, batch=64)
+    row = "| magicdec/g8 | draft | 10 | 4.000 | 4.000 | 2.000 (32 rows to 64) | 2.00x | 2.00x |"
+    assert row in text
+    # a step kind of the whole batch (or no batch given) keeps its own floor
+    assert "| 1.500 | 2.67x |" in fr.graph_kinds_table(results)
+    draft["rows"] = 64.0
+    assert "| 1.500 | 2.67x |" in fr.graph_kinds_table(results, batch=64)
+
+
+def test_runs_joined_at_one_gamma_have_no_slope():
+    # a greedy and a sampled run of magicdec/g8 joined (floor_report.py A.json B.json): the
+    # same gamma twice is no slope (it divided by zero), and the graph kinds still price
+    def run(wall):
+        return {"mode": "magicdec/g8",
+                "kinds": {"round": {"wall_ms": wall, "floor_ms": 10.0},
+                          "draft": {"rows": 64.0, "floor_ms": 1.0}},
+                "graph_kinds": {"draft": {"replays": 8, "median_ms": 2.0}}}  # fmt: skip
+
+    results = [run(20.0), run(24.0)]
+    assert fr.draft_slopes(results) == []
+    assert fr.graph_kinds_table(results, 64).count("| 1.000 | 2.00x | 2.00x |") == 2
+
+
 @pytest.mark.timeout(120)
 def test_script_runs_on_cpu(tmp_path):
     out = tmp_path / "floor.json"

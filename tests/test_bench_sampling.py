@@ -36,13 +36,15 @@ def test_small_run_on_gpu(tmp_path):
     assert r["choices"]["ms"] > 0 and r["choices"]["torch_ms"] > 0  # the same choices asserted
 
 
-def test_the_choices_case_checks_both_ways_on_the_cpu():
-    """The choices case on the CPU (the kernels under Triton's interpreter): it asserts the same
-    choices and q store both ways; its times here mean nothing."""
+def test_the_choices_case_checks_both_ways():
+    """The choices case on the test's device (the CPU's kernels under Triton's interpreter, which
+    a GPU host does not set): it asserts the same choices and q store both ways; its times here
+    mean nothing."""
     import argparse
 
     a = argparse.Namespace(accept_rows=9, gamma=3, verify_every=3, vocab=3000, top_k=20,
                            temperature=0.7, top_p=0.8)  # fmt: skip
     with scripts_imported("bench_sampling") as (bench,):
-        r = bench.choices_case(a, lambda fn: (fn(), 0.0)[1], "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        r = bench.choices_case(a, lambda fn: (fn(), 0.0)[1], device)
     assert (r["rows"], r["queries"]) == (9, 3 * 4 + 6)

