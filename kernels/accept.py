@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .race import key_of, uniform_of
+from .race import STREAM_ACCEPT, key_of, uniform_of
 
-ACCEPT_STREAM = 2  # aspire_ray.plan.Stream.ACCEPT (kernels/ does not import the package)
 BLOCK = 128
 
 
@@ -65,5 +64,5 @@ def rejected_at(probs: torch.Tensor, q_store: torch.Tensor, chain: torch.Tensor,
         _rejected_at_kernel[(triton.cdiv(t, BLOCK),)](
             probs, q_store, chain.contiguous(), row, j, checks, seed, x_pos,
             held, out, tok, t, depth, probs.stride(0), q_store.stride(0), q_store.stride(1),
-            n, STREAM=ACCEPT_STREAM, BLOCK=BLOCK)  # fmt: skip
+            n, STREAM=STREAM_ACCEPT, BLOCK=BLOCK)  # fmt: skip
     return out, tok

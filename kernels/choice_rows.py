@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .race import STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET
+
 BLOCK = 128
-STREAMS = (0, 1, 3)  # aspire_ray.plan.Stream's TARGET, DRAFT, RESIDUAL (kernels/ imports no
-TARGET, DRAFT, RESIDUAL = (tl.constexpr(s) for s in STREAMS)  # package module)
+TARGET, DRAFT, RESIDUAL = (tl.constexpr(s) for s in (STREAM_TARGET, STREAM_DRAFT,
+                                                      STREAM_RESIDUAL))  # fmt: skip
 
 
 @triton.jit

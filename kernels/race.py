@@ -27,6 +27,9 @@ import triton
 import triton.language as tl
 
 RACE_BLOCK = 2048  # ratios a stage-1 program compares: 75 chunks a row of Qwen2.5's 151,936
+# The sampler's random streams, aspire_ray.plan.Stream's numbers (kernels/ imports no package
+# module; tests/kernels/test_choice_rows.py checks they agree): one home for every kernel
+STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 
 
 @triton.jit

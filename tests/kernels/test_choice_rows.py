@@ -5,7 +5,7 @@ and padding rows (under Triton's interpreter without a GPU)."""
 import pytest
 import torch
 
-from aspire_ray.kernels import accept, choice_rows
+from aspire_ray.kernels import choice_rows, race
 from aspire_ray.plan import Stream
 from aspire_ray.worker import sampled_rows as ref
 
@@ -13,8 +13,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_the_stream_numbers_are_the_plans():
-    assert choice_rows.STREAMS == (Stream.TARGET, Stream.DRAFT, Stream.RESIDUAL)
-    assert accept.ACCEPT_STREAM == Stream.ACCEPT
+    # the kernels' one home of the stream numbers (kernels/race.py) against the plan's
+    assert (race.STREAM_TARGET, race.STREAM_DRAFT, race.STREAM_ACCEPT, race.STREAM_RESIDUAL) \
+        == (Stream.TARGET, Stream.DRAFT, Stream.ACCEPT, Stream.RESIDUAL)  # fmt: skip
+    assert (choice_rows.TARGET, choice_rows.DRAFT, choice_rows.RESIDUAL) \
+        == (Stream.TARGET, Stream.DRAFT, Stream.RESIDUAL)  # fmt: skip
 
 
 def _layout(seed: int, depth: int):
