@@ -123,6 +123,8 @@ def _prose_text() -> str:
     """The KJV: the file that $ASPIRE_KJV_TEXT names, else what `bible` prints."""
     path = os.environ.get(KJV_TEXT_ENV)
     if path:
+        if not Path(path).is_file():
+            raise LookupError(f"${KJV_TEXT_ENV} names {path}, which is not a file")
         out = Path(path).read_text(encoding="utf-8")
         if len(out) < 1_000_000:
             raise LookupError(f"${KJV_TEXT_ENV} ({path}) does not hold the whole KJV")

@@ -79,6 +79,9 @@ def test_the_kjv_from_a_rendered_file(wl, monkeypatch, tmp_path):
         wl.domain_text.cache_clear()
         monkeypatch.setenv(wl.KJV_TEXT_ENV, str(tmp_path / "short.txt"))
         assert "short.txt" in wl.available_domains(("prose",))["prose"]
+        wl.domain_text.cache_clear()  # a host where `bundle` found no text to unpack
+        monkeypatch.setenv(wl.KJV_TEXT_ENV, str(tmp_path / "none.txt"))
+        assert "not a file" in wl.available_domains(("prose",))["prose"]
     finally:
         wl.domain_text.cache_clear()
 
