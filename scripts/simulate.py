@@ -248,13 +248,38 @@ class TraceExecutor(Executor):
         return StepOutput(plan.step_id, results, StepTimings(forward=seconds, total=seconds))
 
 
+def oracle_targets(policy: DraftPolicy, bits: list[str]):
+    """``DraftPolicy.targets`` of a policy that knows the trace: each request drafts exactly
+    up to its next rejected position (its run of accepted bits from its next output position),
+    within its cap, max_drafts and its verification's query tile (a longer run verifies in
+    pieces: one more query there reads the KV again). No draft is wasted and none is missed:
+    about what per-request draft lengths could buy at best under the same step costs
+    (``simulate(oracle=True)``)."""
+    tile = policy.kv_reads.query_tile
+    most = policy.cfg.max_drafts if tile is None else min(policy.cfg.max_drafts, tile - 1)
+
+    def targets(reqs, caps):
+        out = []
+        for req, cap in zip(reqs, caps, strict=True):
+            b = bits[int(req.req_id.rsplit("-", 1)[1])]
+            o, limit = len(req.output_token_ids), min(cap, most)
+            run = 0
+            while run < limit and o + run < len(b) and b[o + run] == "1":
+                run += 1
+            out.append(run)
+        return out
+
+    return targets
+
+
 def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = None,
              window: str = "steady", num_pages: int | None = None,
              max_batched_tokens: int = 16384, batch: int | None = None,
              prompt_len: int | None = None, num_layers: int | None = None,
-             num_tokens: int | None = None, **spec) -> dict:  # fmt: skip
+             num_tokens: int | None = None, oracle: bool = False, **spec) -> dict:  # fmt: skip
     """One mode (bench_decode's MODE or MODE/nochain) at one gamma -> bench_decode's summary
-    with simulated tokens/s.
+    with simulated tokens/s. oracle: a per-request mode's draft lengths from the trace itself
+    (``oracle_targets``), its mode reported as "MODE+oracle".
 
     Projections (the acceptance of the recorded text, the shape of another deployment):
     ``batch`` requests taken from the recorded ones in turn, every prompt ``prompt_len`` tokens
@@ -281,6 +306,11 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     ex = TraceExecutor(cfg, meta, prompt_lens, tokens, bits, costs, num_pages)
     engine = LLMEngine(cfg, executor=ex)
     engine.cost_model.set_prior(CostCoefficients(costs.b_model, costs.b_tok, costs.b_kv))
+    if oracle:  # each step's lengths from the trace: plans of one step (a run keeps its lengths)
+        if cfg.spec.mode_spec.gamma_rule != "cost_model" or not bits or cfg.spec.async_steps > 1:
+            raise SystemExit(f"oracle: a per-request mode of one-step plans (MODE/s1) with "
+                             f"acceptance bits, not {mode}")  # fmt: skip
+        engine.policy.targets = oracle_targets(engine.policy, bits)
     _warm_up(engine, prompt_lens, tokens)
     ids, finished = _prefill(engine, prompt_lens, [len(t) for t in tokens])
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
@@ -304,7 +334,7 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     breakdown["timings"] = {"total": worker - clock0[0], "host": host - clock0[1]}
     run = {"outs": [finished[r] for r in ids], "seconds": worker + host - clock0[0] - clock0[1],
            "tokens": committed - committed0, "breakdown": breakdown}
-    s = summarize(mode, run, None)
+    s = summarize(f"{mode}+oracle" if oracle else mode, run, None)
     s.pop("token_ids")
     s.update(gamma=cfg.spec.gamma if spec_mode in FIXED else None, trace=info,
              batch=len(tokens), probes=engine.stats()["probes"],
@@ -590,6 +620,10 @@ def main() -> None:
                         "H200 at 32k); costs fitted to `aspire`'s steps lose it per step")
     p.add_argument("--measured", default=None,
                    help="a bench_decode JSON (or trace file) of the same requests: error %%")
+    p.add_argument("--oracle", action="store_true",
+                   help="also each per-request mode of one-step plans (MODE/s1...) with draft "
+                        "lengths that know the trace (oracle_targets): about the most its "
+                        "draft lengths could buy")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     traces = Traces.load(args.traces)
@@ -630,11 +664,17 @@ def main() -> None:
         sweep = sorted(set(gammas) | extra) if spec_mode in FIXED else [None]
         if "gamma" in mode_options(mode)[1]:  # MODE/gN: that gamma alone
             sweep = [mode_options(mode)[1]["gamma"]]
+        # the oracle decides every step: plans of one step (asynchronous runs keep a length)
+        oracles = [False, True] if args.oracle and SpecConfig(mode=spec_mode).mode_spec \
+            .gamma_rule == "cost_model" and mode_options(mode)[1].get("async_steps") == 1 \
+            else [False]  # fmt: skip
         for g in sweep:
-            runs.append(simulate(traces, mode, costs_for(mode), g, args.window, args.num_pages,
-                                 args.max_batched_tokens, args.batch, args.prompt_len,
-                                 args.num_layers, args.num_tokens))
-            runs[-1]["costs"] = asdict(costs_for(mode))
+            for oracle in oracles:
+                runs.append(simulate(traces, mode, costs_for(mode), g, args.window,
+                                     args.num_pages, args.max_batched_tokens, args.batch,
+                                     args.prompt_len, args.num_layers, args.num_tokens,
+                                     oracle=oracle))  # fmt: skip
+                runs[-1]["costs"] = asdict(costs_for(mode))
     ar = next((r["tokens_per_s"] for r in runs if r["mode"] == "ar"), None)
     print(f"{'mode':>20} {'gamma':>5} {'tok/s':>10} {'x ar':>6} {'L':>5} {'accept':>6} "
           f"{'mean g':>6} {'measured':>10} {'error':>7}")

@@ -335,6 +335,27 @@ def test_synthetic_traces_replay_their_acceptance(mods):
         assert np.mean(seen[f"sim-{i}"][10:]) == pytest.approx(alpha, abs=0.06), i
 
 
+def test_the_oracle_drafts_to_each_rejection(mods):
+    """oracle_targets: drafts exactly to each request's next rejected position, so every draft
+    is accepted, and with the same step costs it commits faster than the cost model's lengths;
+    it needs one-step plans (an asynchronous run keeps its lengths through its rounds)."""
+    tr, sim = mods["traces"], mods["simulate"]
+    traces = tr.synthetic([0.6, 0.95] * 4, prompt_len=3000, num_tokens=300, meta=tr.qwen_meta(),
+                          seed=2)  # fmt: skip
+    costs = _costs(mods, b_tok=1e-6, b_kv=4e-9)
+    plain = sim.simulate(traces, "aspire/s1+q1", costs, window="drain")
+    oracle = sim.simulate(traces, "aspire/s1+q1", costs, window="drain", oracle=True)
+    assert oracle["mode"] == "aspire/s1+q1+oracle"
+    assert oracle["acceptance_rate"] == 1.0 and plain["acceptance_rate"] < 0.95
+    assert oracle["tokens_per_s"] > plain["tokens_per_s"]
+    tile = traces.meta.get("query_tile_tokens")  # a verification within one query tile
+    assert tile is None or max(int(g) for g in oracle["gamma_histogram"]) <= tile - 1
+    with pytest.raises(SystemExit, match="one-step plans"):
+        sim.simulate(traces, "aspire", costs, window="drain", oracle=True)
+    with pytest.raises(SystemExit, match="one-step plans"):
+        sim.simulate(traces, "aspire_fixed", costs, 4, window="drain", oracle=True)
+
+
 def test_mixed_steps_are_priced_apart(mods):
     """An asynchronous step holding verify and draft rows costs ``b_mixed`` more (§8.28); costs
     fitted to such steps lose it from their per-step term."""
