@@ -105,19 +105,6 @@ def _e(x_ptr, r, cols, V, stride_x, temp, top):
 
 
 @triton.jit
-def _mass_kernel(x_ptr, temp_ptr, max_ptr, kept_ptr, V, stride_x, n_chunks,
-                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """Each chunk's sum of e into kept [N, n_chunks]: its mass at or above a floor of 0, what
-    ``_kept_kernel`` sums there, where no row cuts by top-k."""
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    cols = c * CHUNK + tl.arange(0, CHUNK)
-    top = _row_top(max_ptr, r, n_chunks, CHUNKS)
-    e = _e(x_ptr, r, cols, V, stride_x, tl.load(temp_ptr + r), top)
-    tl.store(kept_ptr + r * n_chunks + c, tl.sum(tl.where(e >= 0.0, e, 0.0), 0))
-
-
-@triton.jit
 def _max_kernel(x_ptr, temp_ptr, part_ptr, V, stride_x, n_chunks, CHUNK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -324,10 +311,11 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     # every launch below reads x and computes e from it (``_e``); these lead its arguments
     e_args = (x, temperature, maxes, x.stride(0))
     # without top-k the floor is 0: the chunks' whole mass (top-k's search sums its own)
+    zero = torch.zeros(n, dtype=torch.float32, device=dev)
     kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
     if not need_k:
-        _mass_kernel[grid](x, temperature, maxes, kept_k, v, x.stride(0), chunks,
-                           CHUNK=FILTER_CHUNK, CHUNKS=ch, num_warps=8)  # fmt: skip
+        _kept_kernel[grid](*e_args, zero, kept_k, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
+                           num_warps=8)  # fmt: skip
 
     def search(mode, goal, kept_in, floor_in, lo, hi) -> torch.Tensor:
         """The floor [N] of one search from the brackets (lo, hi) [N]: full_passes launches
@@ -352,7 +340,6 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
                              BLOCK=1024, num_warps=8)  # fmt: skip
         return floor
 
-    zero = torch.zeros(n, dtype=torch.float32, device=dev)
     floor = zero
     if need_k:  # bracket [0, 1.0 + 1 ulp) where the row cuts, else closed at 0
         cut = (top_k > 0) & (top_k < v)
