@@ -3,17 +3,14 @@
 
 filter_probs: softmax(x / T) restricted to the tokens kept by top-k, then by top-p (thresholds,
     ties kept: ``sampler.probs_from_logits_ref``): the row's max, then
-    e = exp(x / T - max), recomputed from x by every launch that reads it (``_e``: the same
-    operations, so the same bits everywhere; x is read at its own width, 2 bytes a value for
-    bf16 logits, where a stored float32 e took 4 to write and 4 a read), and two searches
-    over float32 bit patterns (e >= 0, so bit order is value order): the k-th largest e (the
-    largest t with #{e >= t} >= k) and the top-p floor (the smallest t with sum{e > t, e kept
-    by top-k} below top_p times the top-k mass). A search's first FULL_PASSES passes read
-    whole rows, each trying SEARCH_WAYS thresholds at once over chunks on every SM; then the e
-    left inside the bracket are compacted (CAP a chunk) and one program a row finishes by
-    bisection over them in registers (over the whole row where a chunk had more: a nearly
-    flat row); the last launch writes e / (the kept mass) where e is kept, 0 elsewhere, into
-    ``out``. Rows without top-k / top-p skip their reads (the launches: the comment below).
+    e = exp(x / T - max) written to ``out`` and re-read by two searches over float32 bit
+    patterns (e >= 0, so bit order is value order): the k-th largest e (the largest t with
+    #{e >= t} >= k) and the top-p floor (the smallest t with sum{e > t, e kept by top-k} below
+    top_p times the top-k mass). A search's first FULL_PASSES passes read whole rows, each
+    trying SEARCH_WAYS thresholds at once over chunks on every SM; then the e left inside
+    the bracket are compacted (CAP a chunk) and one program a row finishes by bisection over
+    them in registers (over the whole row where a chunk had more: a nearly flat row). Rows
+    without top-k / top-p skip their reads (the launches: the comment below).
     Shapes: x [N, V] float32 / bf16, last dim contiguous; temperature, top_p float32 [N];
     top_k int64 [N] (0: off); out float32 [N, V].
 """
@@ -89,19 +86,25 @@ def _kept_goal(kept_ptr, top_p, r, n_chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _row_top(max_ptr, r, n_chunks, CHUNKS: tl.constexpr):
-    """Row r's max of x / T, from its chunks' (max [N, n_chunks], ``_max_kernel``'s)."""
+def _exp_kernel(x_ptr, temp_ptr, part_ptr, out_ptr, kept_ptr, V, stride_x, n_chunks,
+                CHUNK: tl.constexpr, CHUNKS: tl.constexpr, KEPT: tl.constexpr):  # fmt: skip
+    """e = exp(x / T - max) into out, the row's max from its chunks' (part [N, n_chunks],
+    ``_max_kernel``'s); with KEPT, each chunk's sum of e into kept [N, n_chunks]: its mass
+    at or above a floor of 0, what ``_kept_kernel`` sums there (one pass over the rows
+    fewer where no row cuts by top-k)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
     k = tl.arange(0, CHUNKS)
-    return tl.max(tl.load(max_ptr + r * n_chunks + k, mask=k < n_chunks, other=float("-inf")),
-                  0)  # fmt: skip
-
-
-@triton.jit
-def _e(x_ptr, r, cols, V, stride_x, temp, top):
-    """e = exp(x / T - max) at cols of row r (0 past V). Every launch computes it with these
-    operations, so its values agree to the bit across launches without being stored."""
-    x = tl.load(x_ptr + r * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    return tl.exp(tl.math.div_rn(x, temp) - top)
+    top = tl.max(tl.load(part_ptr + r * n_chunks + k, mask=k < n_chunks, other=float("-inf")),
+                 0)  # fmt: skip
+    x = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    scaled = tl.math.div_rn(x, tl.load(temp_ptr + r))
+    e = tl.exp(scaled - top)  # 0 past V, as _kept_kernel reads it
+    tl.store(out_ptr + r * V + cols, e, mask=ok)
+    if KEPT:
+        tl.store(kept_ptr + r * n_chunks + c, tl.sum(tl.where(e >= 0.0, e, 0.0), 0))
 
 
 @triton.jit
@@ -114,9 +117,9 @@ def _max_kernel(x_ptr, temp_ptr, part_ptr, V, stride_x, n_chunks, CHUNK: tl.cons
 
 
 @triton.jit
-def _pass_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goal_ptr, kept_ptr,
-                 floor_ptr, V, n_rows, n_chunks, s, MODE: tl.constexpr, WAYS: tl.constexpr,
-                 CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+def _pass_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, floor_ptr, V, n_rows, n_chunks,
+                 s, MODE: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
     """Pass s of a search: this chunk's #{e >= t} (COUNT) or sum{e > t, e >= floor} (MASS)
     for the WAYS thresholds t inside row r's bracket. goal: COUNT's k [N] int64; MASS's top_p
     [N] (times the kept mass, from kept [N, n_chunks]), floor [N] the top-k floor."""
@@ -138,10 +141,9 @@ def _pass_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goal_p
     if hi - lo > 1:
         thr = _mids(lo, hi, WAYS).to(tl.float32, bitcast=True)[None, :]
         acc = tl.zeros((SUB, WAYS), tl.int32 if MODE == COUNT else tl.float32)
-        temp, top = tl.load(temp_ptr + r), _row_top(max_ptr, r, n_chunks, CHUNKS)
         for u in tl.static_range(CHUNK // SUB):
             cols = c * CHUNK + u * SUB + tl.arange(0, SUB)
-            e = _e(x_ptr, r, cols, V, stride_x, temp, top)[:, None]
+            e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)[:, None]
             if MODE == COUNT:  # thr > 0: the masked zeros never count
                 acc += (e >= thr).to(tl.int32)
             else:
@@ -152,14 +154,12 @@ def _pass_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goal_p
 
 
 @triton.jit
-def _kept_kernel(x_ptr, temp_ptr, max_ptr, stride_x, floor_ptr, kept_ptr, V, n_chunks,
-                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+def _kept_kernel(e_ptr, floor_ptr, kept_ptr, V, n_chunks, CHUNK: tl.constexpr):
     """This chunk's mass at or above its row's floor [N], into kept [N, n_chunks]."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
-    e = _e(x_ptr, r, cols, V, stride_x, tl.load(temp_ptr + r),
-           _row_top(max_ptr, r, n_chunks, CHUNKS))  # fmt: skip
+    e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
     kept = tl.sum(tl.where(e >= tl.load(floor_ptr + r), e, 0.0), 0)
     tl.store(kept_ptr + r * n_chunks + c, kept)
 
@@ -174,10 +174,9 @@ def _goal_of(goal_ptr, kept_ptr, r, n_chunks, MODE: tl.constexpr, CHUNKS: tl.con
 
 
 @triton.jit
-def _compact_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goal_ptr,
-                    kept_ptr, cand_ptr, count_ptr, above_ptr, V, n_rows, n_chunks, s,
-                    MODE: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
-                    CAP: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+def _compact_kernel(e_ptr, state_ptr, part_ptr, goal_ptr, kept_ptr, cand_ptr, count_ptr,
+                    above_ptr, V, n_rows, n_chunks, s, MODE: tl.constexpr, WAYS: tl.constexpr,
+                    CHUNK: tl.constexpr, CAP: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
     """After pass s - 1 of a search: row r's bracket (lo, hi) (by chunk 0 into state[s]), and
     this chunk's candidates, the e with lo < bits(e) < hi, the first CAP of them into
     cand [N, n_chunks, CAP] in column order, how many there are into count [N, n_chunks], and
@@ -192,8 +191,7 @@ def _compact_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goa
         tl.store(at, lo)
         tl.store(at + 1, hi)
     cols = c * CHUNK + tl.arange(0, CHUNK)
-    e = _e(x_ptr, r, cols, V, stride_x, tl.load(temp_ptr + r),
-           _row_top(max_ptr, r, n_chunks, CHUNKS))  # fmt: skip
+    e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
     bits = e.to(tl.int32, bitcast=True)
     inside = (bits > lo) & (bits < hi) & (cols < V)  # (a MASS bracket's lo may be -1)
     slot = tl.cumsum(inside.to(tl.int32), 0) - 1
@@ -208,10 +206,9 @@ def _compact_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, part_ptr, goa
 
 
 @triton.jit
-def _finish_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, goal_ptr, kept_ptr, cand_ptr,
-                   count_ptr, above_ptr, floor_in_ptr, floor_ptr, V, n_rows, n_chunks, s,
-                   MODE: tl.constexpr, CAP: tl.constexpr, CHUNKS: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
+def _finish_kernel(e_ptr, state_ptr, goal_ptr, kept_ptr, cand_ptr, count_ptr, above_ptr,
+                   floor_in_ptr, floor_ptr, V, n_rows, n_chunks, s, MODE: tl.constexpr,
+                   CAP: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Row r's search from its bracket in state[s] to the end, by bisection: over its
     candidates held in registers (cand, with above's constant part), or over the whole row
     where a chunk had more than CAP of them. Its floor (COUNT: f(lo), the k-th largest e;
@@ -243,14 +240,13 @@ def _finish_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, goal_ptr, kept
             else:
                 hi = mid
     else:  # too many in some chunk (a nearly flat row): the whole row, a pass a step
-        temp, top = tl.load(temp_ptr + r), _row_top(max_ptr, r, n_chunks, CHUNKS)
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             thr = mid.to(tl.float32, bitcast=True)
             acc = tl.zeros((BLOCK,), tl.float32)
             for s0 in range(0, V, BLOCK):
                 cols = s0 + tl.arange(0, BLOCK)
-                e = _e(x_ptr, r, cols, V, stride_x, temp, top)
+                e = tl.load(e_ptr + r * V + cols, mask=cols < V, other=0.0)
                 if MODE == COUNT:
                     acc += (e >= thr).to(tl.float32)
                 else:
@@ -267,18 +263,17 @@ def _finish_kernel(x_ptr, temp_ptr, max_ptr, stride_x, state_ptr, goal_ptr, kept
 
 
 @triton.jit
-def _write_kernel(x_ptr, temp_ptr, max_ptr, stride_x, out_ptr, kept_ptr, floor_ptr, V,
-                  n_chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """e / (the kept mass) where e >= the row's floor, else 0, into out [N, V]."""
+def _write_kernel(e_ptr, kept_ptr, floor_ptr, V, n_chunks, CHUNK: tl.constexpr,
+                  CHUNKS: tl.constexpr):  # fmt: skip
+    """e / (the kept mass) where e >= the row's floor, else 0, in place."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     z = tl.sum(tl.load(kept_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0), 0)
     floor = tl.load(floor_ptr + r)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    e = _e(x_ptr, r, cols, V, stride_x, tl.load(temp_ptr + r),
-           _row_top(max_ptr, r, n_chunks, CHUNKS))  # fmt: skip
-    tl.store(out_ptr + r * V + cols, tl.where(e >= floor, tl.math.div_rn(e, z), 0.0),
-             mask=cols < V)  # fmt: skip
+    ok = cols < V
+    e = tl.load(e_ptr + r * V + cols, mask=ok, other=0.0)
+    tl.store(e_ptr + r * V + cols, tl.where(e >= floor, tl.math.div_rn(e, z), 0.0), mask=ok)
 
 
 
@@ -308,14 +303,10 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=dev)
     _max_kernel[grid](x, temperature, maxes, v, x.stride(0), chunks, CHUNK=FILTER_CHUNK,
                       num_warps=8)  # fmt: skip
-    # every launch below reads x and computes e from it (``_e``); these lead its arguments
-    e_args = (x, temperature, maxes, x.stride(0))
-    # without top-k the floor is 0: the chunks' whole mass (top-k's search sums its own)
-    zero = torch.zeros(n, dtype=torch.float32, device=dev)
+    # without top-k the floor is 0 and the exp launch sums the chunks' mass (_kept_kernel's)
     kept_k = torch.empty(n, chunks, dtype=torch.float32, device=dev)
-    if not need_k:
-        _kept_kernel[grid](*e_args, zero, kept_k, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
-                           num_warps=8)  # fmt: skip
+    _exp_kernel[grid](x, temperature, maxes, out, kept_k, v, x.stride(0), chunks,
+                      CHUNK=FILTER_CHUNK, CHUNKS=ch, KEPT=not need_k, num_warps=8)  # fmt: skip
 
     def search(mode, goal, kept_in, floor_in, lo, hi) -> torch.Tensor:
         """The floor [N] of one search from the brackets (lo, hi) [N]: full_passes launches
@@ -325,34 +316,33 @@ def filter_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
         part = torch.empty(full_passes, n, chunks, ways, device=dev,
                            dtype=torch.int32 if mode == COUNT else torch.float32)  # fmt: skip
         for s in range(full_passes):
-            _pass_kernel[grid](*e_args, state, part, goal, kept_in, floor_in, v, n, chunks, s,
+            _pass_kernel[grid](out, state, part, goal, kept_in, floor_in, v, n, chunks, s,
                                MODE=mode, WAYS=ways, CHUNK=FILTER_CHUNK, SUB=FILTER_SUB,
                                CHUNKS=ch, num_warps=8)  # fmt: skip
         cand = torch.empty(n, chunks, CAP, dtype=torch.float32, device=dev)
         count = torch.empty(n, chunks, dtype=torch.int32, device=dev)
         above = torch.empty(n, chunks, dtype=torch.float32, device=dev)
-        _compact_kernel[grid](*e_args, state, part, goal, kept_in, cand, count, above, v, n,
+        _compact_kernel[grid](out, state, part, goal, kept_in, cand, count, above, v, n,
                               chunks, full_passes, MODE=mode, WAYS=ways, CHUNK=FILTER_CHUNK,
                               CAP=CAP, CHUNKS=ch, num_warps=8)  # fmt: skip
         floor = torch.empty(n, dtype=torch.float32, device=dev)
-        _finish_kernel[(n,)](*e_args, state, goal, kept_in, cand, count, above, floor_in, floor,
-                             v, n, chunks, full_passes, MODE=mode, CAP=CAP, CHUNKS=ch,
+        _finish_kernel[(n,)](out, state, goal, kept_in, cand, count, above, floor_in, floor, v,
+                             n, chunks, full_passes, MODE=mode, CAP=CAP, CHUNKS=ch,
                              BLOCK=1024, num_warps=8)  # fmt: skip
         return floor
 
+    zero = torch.zeros(n, dtype=torch.float32, device=dev)
     floor = zero
     if need_k:  # bracket [0, 1.0 + 1 ulp) where the row cuts, else closed at 0
         cut = (top_k > 0) & (top_k < v)
         floor = search(COUNT, top_k, kept_k, zero, 0, torch.where(cut, ONE + 1, 1))
-        _kept_kernel[grid](*e_args, floor, kept_k, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
-                           num_warps=8)  # fmt: skip
+        _kept_kernel[grid](out, floor, kept_k, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
     kept = kept_k
     if need_p:  # bracket (top-k's floor - 1 ulp, 1.0] where top_p < 1, else closed at it
         bits = floor.view(torch.int32)
         floor = search(MASS, top_p, kept_k, floor, bits - 1, torch.where(top_p < 1.0, ONE, bits))
         kept = torch.empty_like(kept_k)
-        _kept_kernel[grid](*e_args, floor, kept, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
-                           num_warps=8)  # fmt: skip
-    _write_kernel[grid](*e_args, out, kept, floor, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
+        _kept_kernel[grid](out, floor, kept, v, chunks, CHUNK=FILTER_CHUNK, num_warps=8)
+    _write_kernel[grid](out, kept, floor, v, chunks, CHUNK=FILTER_CHUNK, CHUNKS=ch,
                         num_warps=8)  # fmt: skip
     return out
