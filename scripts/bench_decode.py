@@ -564,7 +564,8 @@ def main() -> None:
                 prompts = short_prompts(tok, batch)
             elif ctx == "mix":
                 work = heterogeneous_requests(tok, batch, seed=0, context_tokens=mix_ctx,
-                                              max_tokens=mix_gen)  # fmt: skip
+                                              max_tokens=mix_gen,
+                                              max_total=llm.engine.max_model_len)  # fmt: skip
                 prompts, domains = [w.prompt_ids for w in work], [w.domain for w in work]
                 params = [dataclasses.replace(params, max_tokens=w.max_tokens) for w in work]
             else:

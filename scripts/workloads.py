@@ -199,12 +199,13 @@ def _window_ids(tokenizer, text: str, start: float, n: int) -> list[int]:
 def heterogeneous_requests(tokenizer, n: int, seed: int = 0,
                            context_tokens: tuple[int, int] = (4096, 32768),
                            max_tokens: tuple[int, int] = (256, 2048),
-                           domains=DOMAINS) -> list[WorkloadRequest]:  # fmt: skip
+                           domains=DOMAINS, max_total: int | None = None) -> list[WorkloadRequest]:  # fmt: skip
     """n plain-completion requests over the available domains in turn (the order shuffled by
     the seed): each a window of one domain's document, its length and its generation length
     drawn log-uniformly from the ranges (rounded to 64). Deterministic given the seed, the
-    tokenizer and the Python version. A domain's prompt is shorter than drawn only where its
-    whole document is (humaneval: ~40k characters of code)."""
+    tokenizer and the Python version. A domain's prompt is shorter than drawn where its
+    whole document is (humaneval: ~40k characters of code), and where prompt + generation
+    would pass ``max_total`` (the model's context): the prompt gives way, the draws stay."""
     missing = [d for d in domains if d not in _SOURCES]
     if missing:
         raise ValueError(f"unknown domains {missing} (known: {DOMAINS})")
@@ -222,6 +223,10 @@ def heterogeneous_requests(tokenizer, n: int, seed: int = 0,
         domain = usable[i % len(usable)]
         ctx = log_uniform(*context_tokens)
         gen = log_uniform(*max_tokens)
+        if max_total is not None:
+            if gen >= max_total:
+                raise ValueError(f"{gen} new tokens leave no prompt in a context of {max_total}")
+            ctx = min(ctx, max_total - gen)
         ids = _window_ids(tokenizer, domain_text(domain), rng.random(), ctx)
         out.append(WorkloadRequest(ids, gen, domain))
     return out

@@ -43,6 +43,24 @@ def test_mix_is_deterministic_and_in_range(wl):
     assert len({len(r.prompt_ids) for r in reqs}) > 3 and len({r.max_tokens for r in reqs}) > 3
 
 
+def test_a_request_fits_the_models_context(wl):
+    """The default ranges (4k-32k prompts, 256-2,048 new tokens) can draw more than a 32k
+    model holds (s38's five-domain mix drew 32,640 + 704): the prompt gives way, the rest of
+    the workload is the draws it was."""
+    tok = CharTokenizer()
+    kw = dict(context_tokens=(2048, 8192), max_tokens=(256, 2048), domains=("code", "docs"))
+    free = wl.heterogeneous_requests(tok, 16, seed=3, **kw)
+    fit = wl.heterogeneous_requests(tok, 16, seed=3, max_total=6000, **kw)
+    assert any(len(r.prompt_ids) + r.max_tokens > 6000 for r in free)  # the case arises
+    for a, b in zip(free, fit):
+        assert len(b.prompt_ids) + b.max_tokens <= 6000
+        assert b.max_tokens == a.max_tokens and b.domain == a.domain
+        if len(a.prompt_ids) + a.max_tokens <= 6000:
+            assert b == a
+    with pytest.raises(ValueError, match="no prompt"):
+        wl.heterogeneous_requests(tok, 1, max_total=256, **kw)
+
+
 def test_domains_differ_and_missing_ones_say_why(wl, monkeypatch):
     code, docs, tables = (wl.domain_text(d) for d in ("code", "docs", "tables"))
     assert "def " in code and "class " in code and "import" in code
