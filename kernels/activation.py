@@ -11,9 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_GDC: tl.constexpr):  # fmt: skip
+    if USE_GDC:  # kernels/pdl.py: everything here is the step's data
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -35,5 +41,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(m, triton.cdiv(n, block))](x, out, x.stride(0), N=n, BLOCK=block,
-                                                      num_warps=4)  # fmt: skip
+                                                      num_warps=4,
+                                                      **pdl.launch_options(x.device))  # fmt: skip
     return out

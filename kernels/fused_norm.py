@@ -18,17 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_xm, stride_xh, stride_rm, eps,
     HEADS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     m = (pid // HEADS).to(tl.int64)
     h = pid % HEADS
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    if USE_GDC:  # kernels/pdl.py: the weight (a parameter) before the wait, then the step's data
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + m * stride_xm + h * stride_xh + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         r_ptrs = res_ptr + m * stride_rm + cols
@@ -38,7 +45,8 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if not USE_GDC:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = w * normed
     tl.store(out_ptr + pid.to(tl.int64) * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -70,7 +78,7 @@ def rms_norm(
         x, residual if residual is not None else x, weight, out, x.stride(0),
         x.stride(1) if x.dim() == 3 else 0, residual.stride(0) if residual is not None else 0,
         eps, HEADS=heads, N=n, BLOCK=block, ADD_RESIDUAL=residual is not None,
-        num_warps=min(8, max(1, block // 256)),
+        num_warps=min(8, max(1, block // 256)), **pdl.launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -78,11 +86,15 @@ def rms_norm(
 @triton.jit
 def _rms_norm_parts_kernel(
     p_ptr, res_ptr, w_ptr, out_ptr, S, stride_ps, stride_pm, stride_rm, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, S_CHUNK: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, S_CHUNK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    if USE_GDC:  # kernels/pdl.py: the weight (a parameter) before the wait, then the step's data
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK], tl.float32)
     # S_CHUNK slices a load, so that their L2 reads are in flight together (one slice a
     # dependent load would pay L2's latency S times); one fixed order for a given S
@@ -100,7 +112,8 @@ def _rms_norm_parts_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     normed = (xf * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if not USE_GDC:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * N + cols, (w * normed).to(dt), mask=mask)
 
 
@@ -128,5 +141,6 @@ def rms_norm_parts(parts: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_parts_kernel[(m,)](
         parts, residual, weight, out, s, parts.stride(0), parts.stride(1), residual.stride(0),
         eps, N=n, BLOCK=block, S_CHUNK=s_chunk, num_warps=min(8, max(1, block * s_chunk // 1024)),
+        **pdl.launch_options(parts.device),
     )  # fmt: skip
     return out

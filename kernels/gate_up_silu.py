@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .linear import LinearConfig, check_xw, dot_precision, dot_two, invariant_config
 
 
@@ -52,7 +53,7 @@ def silu_mul(acc_g, acc_u, dt: tl.constexpr):
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -62,8 +63,15 @@ def _gate_up_silu_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_gate = w_ptr + rn[None, :] * stride_wn  # [1, BN]
     w_up = w_gate + N * stride_wn  # up's row j: w's row I + j
+    if USE_GDC:  # kernels/pdl.py: this program's gate and up rows asked of L2, then step data
+        gate_rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn
+        pdl.prefetch_rows(gate_rows, K)
+        pdl.prefetch_rows(gate_rows + N * stride_wn, K)
+        tl.extra.cuda.gdc_wait()
     acc_g, acc_u = dot_two(x_rows, m_ok, w_gate, w_up, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K,
                            PRECISION)  # fmt: skip
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y, silu_mul(acc_g, acc_u, y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -86,6 +94,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = No
     _gate_up_silu_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x), **pdl.launch_options(x.device),
     )  # fmt: skip
     return out

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -102,7 +104,7 @@ def dot_one(x_rows, m_ok, w_cols, n_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -111,7 +113,12 @@ def _linear_kernel(
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + rn[None, :] * stride_wn  # [1, BN]
+    if USE_GDC:  # kernels/pdl.py: this program's weight rows asked of L2, then the step's data
+        pdl.prefetch_rows(w_ptr + tl.minimum(rn, N - 1) * stride_wn, K)
+        tl.extra.cuda.gdc_wait()
     acc = dot_one(x_rows, m_ok, w_cols, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -138,6 +145,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=dot_precision(x), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )  # fmt: skip
     return out

@@ -46,6 +46,7 @@ from .attention_config import (
 from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
 from .metadata import PagedKVMeta
+from .pdl import launch_options
 from .plan_kernel import fused_planning_fits, plan_into
 from .sdpa_rows import sdpa_row_ids, sdpa_rows
 
@@ -81,8 +82,10 @@ def _attn_kernel(
     num_q_heads, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    if USE_GDC:  # kernels/pdl.py: everything read here, the item count too, is the step's data
+        tl.extra.cuda.gdc_wait()
     # The grid covers the plan's capacity x kv heads, kv head minor: the step's item count is
     # read on the device (a CUDA graph replays the same launch for any step that fits), and
     # the programs past it come last, so that the hardware dispatches every real program
@@ -150,6 +153,8 @@ def _attn_kernel(
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
 
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     # log2 units; -inf where this chunk is fully masked (and for padding rows)
@@ -172,8 +177,10 @@ def _attn_kernel(
 def _merge_kernel(
     out_ptr, lse_ptr, opart_ptr, lpart_ptr, merge_ptr, count_ptr, capacity, stride_ot, stride_oh,
     num_q_heads, HEAD_DIM: tl.constexpr, HEAD_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    if USE_GDC:  # kernels/pdl.py: the partials and the merge list are the step's data
+        tl.extra.cuda.gdc_wait()
     # One program per (split query token, HEAD_BLOCK heads); SPLIT_BLOCK splits are loaded at
     # once, so a row split 100 ways merges in a few dependent steps rather than 100.
     pt = tl.program_id(0)
@@ -204,6 +211,8 @@ def _merge_kernel(
         acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
         l_i = l_i * alpha + tl.sum(w, 0)
         m_i = m_new
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real head
     l_i = tl.where(h_ok, l_i, 1.0)
     out = acc / l_i[:, None]
@@ -647,6 +656,7 @@ def paged_attention(
     elif opart is None:
         opart = lpart = out  # never written
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    gdc = launch_options(q.device)
 
     def launch_attention(launch: _Launch) -> None:
         block_m = launch.block_m
@@ -659,7 +669,7 @@ def paged_attention(
             BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
             DOT_PRECISION=precision, UPCAST=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
-            **register_cap(config, block_m),
+            **register_cap(config, block_m), **gdc,
         )  # fmt: skip
 
     side_by_side(plan.launches, launch_attention, q.device, config.concurrent_launches)
@@ -671,6 +681,6 @@ def paged_attention(
             out, lse, opart, lpart, merge.work, merge.count, merge.capacity, out.stride(0),
             out.stride(1), hq, HEAD_DIM=d, HEAD_BLOCK=head_block,
             SPLIT_BLOCK=config.merge_split_block,
-            RETURN_LSE=return_lse, num_warps=4,
+            RETURN_LSE=return_lse, num_warps=4, **gdc,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .linear import LinearConfig, check_xw, dot_precision, dot_two, invariant_config
 
 
@@ -54,7 +55,7 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_n = tl.program_id(0)
@@ -68,8 +69,16 @@ def _qkv_rope_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
     w1 = w_ptr + rn[None, :] * stride_wn  # [1, BH]
     w2 = w1 + HALF * stride_wn
+    if USE_GDC:  # kernels/pdl.py: this program's weight rows asked of L2, then the step's data
+        # (cos / sin wait too: a row's entries are found through its position)
+        first = w_ptr + (head * HEAD_DIM + tl.minimum(j, HALF - 1)).to(tl.int64) * stride_wn
+        pdl.prefetch_rows(first, K)
+        pdl.prefetch_rows(first + HALF * stride_wn, K)
+        tl.extra.cuda.gdc_wait()
     acc1, acc2 = dot_two(x_rows, m_ok, w1, w2, j_ok, K, BLOCK_M, BLOCK_H, BLOCK_K,
                          PRECISION)  # [BM, BH] each  # fmt: skip
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + rn, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + rn + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -179,6 +188,6 @@ def qkv_rope(
         cs[2], cs[3], HQ=hq, HK=hk, HEAD_DIM=d, TILES=tiles, HAS_BIAS=bias is not None,
         STORE=store, PAGE_SIZE=kv_cache.shape[2] if store else 1, BLOCK_M=cfg.block_m,
         BLOCK_H=cfg.block_n // 2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PRECISION=dot_precision(x),
+        num_stages=cfg.num_stages, PRECISION=dot_precision(x), **pdl.launch_options(x.device),
     )  # fmt: skip
     return q_out[:t], kv_out[0], kv_out[1]

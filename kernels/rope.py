@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rotated(src, stride_sh, cos, sin, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -44,7 +46,11 @@ def _rope_kernel(
     stride_cs, stride_ch,
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    if USE_GDC:  # kernels/pdl.py: a row's cos / sin are found through its position, step data
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     j = tl.arange(0, HALF_PAD)[None, :]
@@ -127,5 +133,6 @@ def rotary_embedding(
         cs[2], cs[3], HQ=hq, HK=hk, HQ_PAD=triton.next_power_of_2(hq),
         HK_PAD=triton.next_power_of_2(hk), HALF=half, HALF_PAD=triton.next_power_of_2(half),
         STORE=kv is not None, PAGE_SIZE=cache.shape[2] if kv is not None else 1, num_warps=4,
+        **pdl.launch_options(q.device),
     )  # fmt: skip
     return out[:t]

@@ -16,6 +16,7 @@ random weights on random-token prompts: step costs are the real ones, acceptance
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -111,6 +112,14 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 }
 
 
+ENV_VARIANTS = {  # MODE/VARIANT: MODE's engine built and run under these environment variables
+    # (switches read at each kernel launch, not engine options; a mode without the variant runs
+    # with them unset, so "ar,ar/pdl" compares the two in one process)
+    # the decoder layer's Triton kernels with programmatic dependent launch (kernels/pdl.py)
+    "pdl": {"ASPIRE_PDL": "1"},
+}
+
+
 # before each mode's timed runs, on the same engine: its kernels compiled, its graphs captured,
 # and the draft policy's first verifications seen (a new request's prior, DraftPolicy.prior_alpha)
 WARMUP_REQUESTS, WARMUP_TOKENS = 4, 8
@@ -118,13 +127,13 @@ WARMUP_REQUESTS, WARMUP_TOKENS = 4, 8
 
 def mode_options(mode: str) -> tuple[str, dict]:
     """A benchmark mode -> (spec mode, LLM options): "MODE/VARIANT", the variant one of
-    VARIANTS, gN (gamma = N), rN (N rounds per plan), aN (``ar``: N decode steps per plan),
-    sN (``aspire``: N steps per asynchronous run), oN (``aspire``: N steps of the next run
-    started early, ``async_overlap_steps``), dN (d_max = N), iN (``aspire``: gamma_init = N,
-    the drafts before a request's first verification), fN (``aspire_fsm``: every draft length N,
-    fsm_min = fsm_max = N), qN (``aspire``: verify_quantum = N, verifications on every N-th
-    decode step), eNN (``aspire``: alpha_ema = 0.NN) or several joined by "+", e.g.
-    "aspire_fixed/round+g8"."""
+    VARIANTS (or of ENV_VARIANTS, no LLM option: ``mode_env``), gN (gamma = N), rN (N rounds
+    per plan), aN (``ar``: N decode steps per plan), sN (``aspire``: N steps per asynchronous
+    run), oN (``aspire``: N steps of the next run started early, ``async_overlap_steps``), dN
+    (d_max = N), iN (``aspire``: gamma_init = N, the drafts before a request's first
+    verification), fN (``aspire_fsm``: every draft length N, fsm_min = fsm_max = N), qN
+    (``aspire``: verify_quantum = N, verifications on every N-th decode step), eNN
+    (``aspire``: alpha_ema = 0.NN) or several joined by "+", e.g. "aspire_fixed/round+g8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
@@ -150,10 +159,46 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["fsm_min"] = options["fsm_max"] = int(part[1:])
         elif part in VARIANTS:
             options.update(VARIANTS[part])
-        else:
+        elif part not in ENV_VARIANTS:  # those set the environment: ``mode_env``
+            known = [v for v in (*VARIANTS, *ENV_VARIANTS) if v]
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"sN, oN, dN, iN, eNN, fN, qN, {', '.join(v for v in VARIANTS if v)})")
+                             f"sN, oN, dN, iN, eNN, fN, qN, {', '.join(known)})")
     return spec_mode, options
+
+
+def mode_env(mode: str) -> dict[str, str | None]:
+    """A benchmark mode -> the environment its engine is built and run under: every
+    ``ENV_VARIANTS`` variable, set as the variant says where the mode names it ("ar/pdl",
+    "magicdec/g8+pdl"), else None (unset)."""
+    _, _, variant = mode.partition("/")
+    parts = variant.split("+") if variant else []
+    env: dict[str, str | None] = {k: None for values in ENV_VARIANTS.values() for k in values}
+    for part in parts:
+        env.update(ENV_VARIANTS.get(part, {}))
+    return env
+
+
+@contextlib.contextmanager
+def mode_environment(mode: str):
+    """Build and run a mode's engine inside this: its ``mode_env`` applied, the caller's
+    environment back after. A CUDA graph keeps the launches of its capture, so each engine's
+    graphs keep its mode's switches; at tp > 1 the shard actors, processes started once per
+    Ray session, need not see them."""
+    env = mode_env(mode)
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        _set_env(env)
+        yield
+    finally:
+        _set_env(saved)
+
+
+def _set_env(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -537,6 +582,7 @@ def main() -> None:
         startup_s: dict[str, float] = {}  # mode -> seconds its LLM took to build
         traces = Traces({}, {}, [])
         for mode in modes:
+            _set_env(mode_env(mode))  # its kernel switches, for its build and runs (ENV_VARIANTS)
             kw = {"model": args.model, "load_format": args.load_format, **extra}
             max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
             spec_mode, options = mode_options(mode)
@@ -603,8 +649,10 @@ def main() -> None:
             summaries[mode] = summarize(mode, runs[len(runs) // 2], ar_tps)
         for mode in modes:
             # greedy match against `ar` of the same variant where the run has it ("ar/det" for
-            # "aspire/det"), else against plain `ar`
-            variant = mode.partition("/")[2]
+            # "aspire/det"), else against plain `ar`; environment variants left out, since they
+            # keep the arithmetic ("ar/pdl" against "ar": the same tokens)
+            variant = "+".join(v for v in mode.partition("/")[2].split("+")
+                               if v not in ENV_VARIANTS)  # fmt: skip
             ref = summaries.get(f"ar/{variant}" if variant else "ar", summaries.get("ar"))
             if ref is not None and args.temperature == 0:
                 summaries[mode]["greedy_token_match_vs_ar"] = _match_rate(

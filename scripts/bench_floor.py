@@ -29,6 +29,7 @@ from bench_decode import (
     DUMMY_SHAPES,
     _empty_cache,
     _worker_call,
+    mode_environment,
     mode_options,
     prefill_batch,
     random_prompts,
@@ -461,7 +462,8 @@ def main() -> None:
         )
     results = []
     for mode in args.modes.split(","):
-        results.append(run_mode(mode, args, extra, bw["bytes_per_s"]))
+        with mode_environment(mode):  # its kernel switches (bench_decode.ENV_VARIANTS)
+            results.append(run_mode(mode, args, extra, bw["bytes_per_s"]))
         print(f"{mode} done", file=sys.stderr, flush=True)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     try:

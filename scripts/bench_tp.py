@@ -281,7 +281,7 @@ def main() -> None:
     for name in ("dummy_shapes", "models", "tp", "modes", "batches"):
         setattr(args, name, _flat(getattr(args, name)))
     unknown = [s for s in args.dummy_shapes or [] if s not in SHAPES]
-    from bench_decode import mode_options  # exits on an unknown variant
+    from bench_decode import mode_environment, mode_options  # exits on an unknown variant
 
     bad_modes = [m for m in args.modes if mode_options(m)[0] not in SPEC_MODES]
     if unknown:
@@ -294,7 +294,8 @@ def main() -> None:
     for target in _targets(args):
         for mode in args.modes:
             for tp in args.tp:
-                records += (_in_child if args.isolate else run_config)(args, target, tp, mode)
+                with mode_environment(mode):  # a child process inherits it
+                    records += (_in_child if args.isolate else run_config)(args, target, tp, mode)
                 comparisons = compare(records, args.tp[0])
                 _write(args.out, args, records, comparisons)
     print(f"\n{len(records)} runs in {time.perf_counter() - t0:.0f} s\n", flush=True)

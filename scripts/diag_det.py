@@ -17,7 +17,7 @@ import gc
 import json
 import statistics
 
-from bench_decode import DUMMY_SHAPES, mode_options
+from bench_decode import DUMMY_SHAPES, mode_environment, mode_options
 from workloads import long_context_prompts
 
 from aspire_ray import LLM, SamplingParams
@@ -62,20 +62,21 @@ def main() -> None:
     reference, report = None, []
     for text in args.configs.split(";"):
         spec_mode, options = parse_config(text)
-        llm = LLM(spec_mode=spec_mode, **{**base, **options})
-        if args.model:
-            prompts = long_context_prompts(llm.tokenizer, args.batch, args.context)
-        else:
-            import random
+        with mode_environment(text.partition("@")[0]):  # its kernel switches ("ar/pdl")
+            llm = LLM(spec_mode=spec_mode, **{**base, **options})
+            if args.model:
+                prompts = long_context_prompts(llm.tokenizer, args.batch, args.context)
+            else:
+                import random
 
-            rng = random.Random(0)
-            vocab = llm.engine.info.vocab_size
-            prompts = [[rng.randrange(vocab) for _ in range(args.context)]
-                       for _ in range(args.batch)]
-        outs = [o.token_ids for o in llm.generate(prompts, params)]
-        llm.shutdown()
-        del llm
-        gc.collect()
+                rng = random.Random(0)
+                vocab = llm.engine.info.vocab_size
+                prompts = [[rng.randrange(vocab) for _ in range(args.context)]
+                           for _ in range(args.batch)]
+            outs = [o.token_ids for o in llm.generate(prompts, params)]
+            llm.shutdown()
+            del llm
+            gc.collect()
         if reference is None:
             reference = outs
         firsts = [first_divergence(a, b) for a, b in zip(outs, reference, strict=True)]

@@ -218,6 +218,29 @@ def test_spin_wait_gives_the_same_tokens_on_gpu(mode):
     assert counters[continued] >= 3, counters
 
 
+@pytest.mark.parametrize("mode,kw", [("ar", {}), ("aspire_fixed", {}), ("aspire", {}),
+                                     ("ar", {"deterministic": True})],
+                         ids=["ar", "aspire_fixed", "aspire", "ar-det"])  # fmt: skip
+def test_programmatic_dependent_launch_gives_the_same_tokens_on_gpu(mode, kw, monkeypatch):
+    # ASPIRE_PDL=1 (kernels/pdl.py): the decoder layer's Triton kernels launched with PDL,
+    # captured so in the graphs, each waiting for its predecessor on the device; the arithmetic
+    # is the same (only griddepcontrol and L2 prefetches added), so bf16 tokens are bit for bit.
+    # ar-det: the deterministic mode's projections through kernels/linear.py
+    from aspire_ray.kernels import pdl
+
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    plain = _run(mode, "bfloat16", max_tokens=64, **kw)
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.enabled(torch.device("cuda", torch.cuda.current_device())) == \
+        (torch.cuda.get_device_capability()[0] >= 9)  # fmt: skip
+    launched = _run(mode, "bfloat16", max_tokens=64, **kw)
+    worker = _run.last_worker
+    graphed = sum(g.steps for g in (worker.step_graphs, worker.draft_graphs, worker.async_graphs)
+                  if g is not None)  # fmt: skip
+    assert launched == plain
+    assert graphed > 20, "no decode step replayed a graph"
+
+
 def test_graph_clock_times_replays_on_gpu():
     # every replay bracketed on the GPU's clock (the engine's warm-up included, phase
     # "other"): busy and idle add up to the span, the asynchronous runs' phases are named

@@ -10,6 +10,7 @@ accepted length; the simulation is deterministic; the cost inputs load from ever
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,26 @@ def test_mode_variants(mods):
     assert opts("aspire_fsm/f8+g8") == ("aspire_fsm", {"fsm_min": 8, "fsm_max": 8, "gamma": 8})
     with pytest.raises(SystemExit, match="unknown mode variant 'x5'"):
         opts("aspire/x5")
+
+
+def test_environment_variants(mods, monkeypatch):
+    """``pdl``: no engine option, the kernels' switch (kernels/pdl.py) set for that mode's
+    engine and unset for the others, whatever the caller's environment."""
+    bd = mods["bench_decode"]
+    assert bd.mode_options("ar/pdl") == ("ar", {})
+    assert bd.mode_options("magicdec/g8+pdl") == ("magicdec", {"gamma": 8})
+    assert bd.mode_env("ar/pdl") == {"ASPIRE_PDL": "1"} == bd.mode_env("magicdec/g8+pdl")
+    assert bd.mode_env("ar") == {"ASPIRE_PDL": None} == bd.mode_env("magicdec/g8")
+    monkeypatch.setenv("ASPIRE_PDL", "1")
+    with bd.mode_environment("magicdec/g8"):
+        assert "ASPIRE_PDL" not in os.environ
+    with bd.mode_environment("magicdec/g8+pdl"):
+        assert os.environ["ASPIRE_PDL"] == "1"
+    assert os.environ["ASPIRE_PDL"] == "1"  # the caller's, back
+    monkeypatch.delenv("ASPIRE_PDL")
+    with bd.mode_environment("ar/pdl"):
+        assert os.environ["ASPIRE_PDL"] == "1"
+    assert "ASPIRE_PDL" not in os.environ
 
 
 def test_costs_from_measured_steps(mods):
