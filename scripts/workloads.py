@@ -199,7 +199,8 @@ def _window_ids(tokenizer, text: str, start: float, n: int) -> list[int]:
 def heterogeneous_requests(tokenizer, n: int, seed: int = 0,
                            context_tokens: tuple[int, int] = (4096, 32768),
                            max_tokens: tuple[int, int] = (256, 2048),
-                           domains=DOMAINS, max_total: int | None = None) -> list[WorkloadRequest]:  # fmt: skip
+                           domains=DOMAINS,
+                           max_total: int | None = None) -> list[WorkloadRequest]:  # fmt: skip
     """n plain-completion requests over the available domains in turn (the order shuffled by
     the seed): each a window of one domain's document, its length and its generation length
     drawn log-uniformly from the ranges (rounded to 64). Deterministic given the seed, the

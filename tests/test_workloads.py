@@ -52,7 +52,7 @@ def test_a_request_fits_the_models_context(wl):
     free = wl.heterogeneous_requests(tok, 16, seed=3, **kw)
     fit = wl.heterogeneous_requests(tok, 16, seed=3, max_total=6000, **kw)
     assert any(len(r.prompt_ids) + r.max_tokens > 6000 for r in free)  # the case arises
-    for a, b in zip(free, fit):
+    for a, b in zip(free, fit, strict=True):
         assert len(b.prompt_ids) + b.max_tokens <= 6000
         assert b.max_tokens == a.max_tokens and b.domain == a.domain
         if len(a.prompt_ids) + a.max_tokens <= 6000:
