@@ -77,8 +77,9 @@ SPEC_MODES = tuple(MODES)
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
-    # Pool size: explicit page count wins; else a byte budget; else a fraction of free GPU
-    # memory (cuda) or 1 GiB (cpu).
+    # Pool size: explicit page count wins; else a byte budget; else a fraction of the GPU
+    # memory free after the weights, less the largest steps' workspace, measured at start-up
+    # (worker/kv_budget.py; cuda), or 1 GiB (cpu).
     num_pages: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.85

@@ -46,7 +46,7 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
-from .device_memory import RowStore
+from .device_memory import SPARE_BYTES, RowStore
 from .draft_graphs import SAMPLED_VARIANTS, sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
 from .page_policies import PageSelector
@@ -65,11 +65,13 @@ _LIVE, _SCORED, _SAMPLED = 1, 2, 4  # row flag bits: a real row; has page scores
 class AsyncStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
-                 max_drafts: int, fused_rows: bool = True) -> None:  # fmt: skip
+                 max_drafts: int, fused_rows: bool = True,
+                 spare: int = SPARE_BYTES) -> None:  # fmt: skip
         """selector: the draft page policy; with one that reads scores (scores given) every
         row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
         the most drafts a row holds (a verify row has one query more); fused_rows: rows
-        planned and accepted in one launch each (``step_rows``)."""
+        planned and accepted in one launch each (``step_rows``); spare: bytes its q store
+        leaves free (``device_memory.RowStore``)."""
         self.fused_rows = fused_rows
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
@@ -91,7 +93,7 @@ class AsyncStepGraphs:
         self.fstate: dict[int, torch.Tensor] = {}
         self.rows_q = RowStore(max_drafts, self.row_buckets[-1] if self.row_buckets else 1,
                                self.model.arch.vocab_size, self.pieces.device, self.model.tp,
-                               copies=2)  # fmt: skip
+                               copies=2, spare=spare)  # fmt: skip
         self.q_store: dict[int, torch.Tensor] = {}  # n -> rows_q's store, [:, :n]
         self.q_snap: dict[int, torch.Tensor] = {}  # n -> its snapshot, [:, :n]
         # the rows on the device: their sampling variant (None: greedy) and row bucket

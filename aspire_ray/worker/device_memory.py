@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-SPARE_BYTES = 1 << 30  # left free beside a new store (activations, graph pools, allocator slack)
+# left free beside a new store, at least (activations, graph pools, allocator slack); the
+# worker passes its measured step workspace where larger (``kv_budget.step_workspace``)
+SPARE_BYTES = 1 << 30
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -18,11 +20,11 @@ def free_device_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def room_for(nbytes: int, device: torch.device, tp) -> bool:
-    """Whether ``nbytes`` fit with ``SPARE_BYTES`` to spare, on every shard of the
+def room_for(nbytes: int, device: torch.device, tp, spare: int = SPARE_BYTES) -> bool:
+    """Whether ``nbytes`` fit with ``spare`` bytes to spare, on every shard of the
     tensor-parallel group ``tp`` (a max over it: each shard then takes the same path, a graph
     on one and the host's steps on another would not meet in their collectives)."""
-    short = nbytes + SPARE_BYTES > free_device_bytes(device)
+    short = nbytes + spare > free_device_bytes(device)
     flag = torch.tensor([int(short)], device=device)
     return not bool(tp.all_reduce_max(flag).item())
 
@@ -32,14 +34,15 @@ class RowStore:
     ([:, :n], strided), ``copies`` of them (a store and its snapshot): one allocation for the
     largest bucket where each bucket had its own (their sum ~2x the largest: 2.4 GB at 64 rows
     of Qwen2.5's vocabulary, 20 GB at 512). Made at the first ``view``; ``fits`` says whether
-    it exists or would fit now (``room_for``), so that a caller can plan on the host instead.
-    A bucket's view holds the rows of that bucket's run; the rows of the next run are loaded
-    in again (runs of different buckets never overlap)."""
+    it exists or would fit now with ``spare`` bytes left (``room_for``: the steps' workspace,
+    which the captures of its graphs and the eager steps need after it), so that a caller can
+    plan on the host instead. A bucket's view holds the rows of that bucket's run; the rows of
+    the next run are loaded in again (runs of different buckets never overlap)."""
 
     def __init__(self, planes: int, rows: int, vocab: int, device: torch.device, tp,
-                 copies: int = 1) -> None:  # fmt: skip
+                 copies: int = 1, spare: int = SPARE_BYTES) -> None:  # fmt: skip
         self.shape = (max(planes, 1), rows, vocab)
-        self.device, self.tp, self.copies = device, tp, copies
+        self.device, self.tp, self.copies, self.spare = device, tp, copies, spare
         self.data: list[torch.Tensor] | None = None
 
     @property
@@ -48,7 +51,7 @@ class RowStore:
         return self.copies * planes * rows * vocab * 4
 
     def fits(self) -> bool:
-        return self.data is not None or room_for(self.nbytes, self.device, self.tp)
+        return self.data is not None or room_for(self.nbytes, self.device, self.tp, self.spare)
 
     def view(self, n: int, copy: int = 0) -> torch.Tensor:
         """Copy ``copy``'s float32 [planes, n, V] view for bucket n (n <= rows)."""

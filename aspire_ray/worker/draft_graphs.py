@@ -44,7 +44,7 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
-from .device_memory import RowStore
+from .device_memory import SPARE_BYTES, RowStore
 from .draft_pages import (
     PageScoreTable,
     choose_top_pages,
@@ -71,14 +71,15 @@ class DraftStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  refresh: bool, page_table: PageTable, scores: PageScoreTable | None,
                  max_rows: int, stream: Stream = Stream.DRAFT,
-                 max_steps: int = 0, fused_rows: bool = True,
-                 kind: str = "draft") -> None:  # fmt: skip
+                 max_steps: int = 0, fused_rows: bool = True, kind: str = "draft",
+                 spare: int = SPARE_BYTES) -> None:  # fmt: skip
         """refresh: the refresh layer attends to full lists and rescores (refresh while
         drafting with a scored policy); max_rows: the most rows of a chain; stream: the random
         stream sampled rows draw from (drafts; the target's for ar's decode chains);
         max_steps: the longest chain whose verification replays a graph (``run_rounds``; 0:
         none); fused_rows: rows planned (and rounds accepted) in one launch each
-        (``step_rows``); kind: its steps' name on the graph clock ("decode": ar's chains)."""
+        (``step_rows``); kind: its steps' name on the graph clock ("decode": ar's chains);
+        spare: bytes its q store leaves free (``device_memory.RowStore``)."""
         self.stream, self.fused_rows, self.kind = stream, fused_rows, kind
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
@@ -102,7 +103,7 @@ class DraftStepGraphs:
         # holds it (``verifies``)
         self.rounds_q = RowStore(max_steps, self.buckets[-1] if self.buckets else 1,
                                  self.model.arch.vocab_size, self.pieces.device,
-                                 self.model.tp)  # fmt: skip
+                                 self.model.tp, spare=spare)  # fmt: skip
         self.q_round: dict[int, torch.Tensor] = {}
         self.variant = None  # the sampling variant of the rows on the device (None: greedy)
         self.plans: dict[tuple[int, bool], FixedPlan] = {}

@@ -38,11 +38,12 @@ from aspire_ray.plan import (
 from aspire_ray.tp import TPGroup, single_rank
 from aspire_ray.tp.layers import set_batch_invariant
 
-from . import gc_waits, rejection_sampler, sampler
+from . import gc_waits, kv_budget, rejection_sampler, sampler
 from .async_graphs import AsyncStepGraphs
 from .async_runs import run_async
 from .cuda_graphs import PiecewiseGraphs
 from .decode_chains import StartedChain, graph_decode_chain, runs_on_graphs
+from .device_memory import SPARE_BYTES
 from .draft_graphs import DraftStepGraphs, table_widths
 from .draft_pages import PageScoreTable
 from .graph_clock import CLOCK
@@ -94,7 +95,6 @@ class Worker:
         self.refresh_layer = self._refresh_layer()
         # measured once, before the KV pool takes the device's memory (describe() reports it)
         self.memory_bandwidth = _memory_bandwidth(self.device)
-        self.kv_caches = self._allocate_kv()
         self.requests: dict[str, WorkerRequest] = {}
         # sized for max_num_seqs requests of the longest context: they never grow in use (the
         # draft-step graphs read them at fixed addresses)
@@ -109,9 +109,13 @@ class Worker:
             self.device, self.page_size, self.page_table, self.scores, self.selector,
             self.backend, self.tp, self.refresh_layer, cfg.spec.refresh_while_drafting)
         self.graphs = self._graphs()
+        # bytes of the largest steps' transient memory, measured before the KV pool exists
+        # (kv_budget.py): the pool leaves them free, and so do the graphs' q stores
+        self.step_workspace = self._step_workspace()
         self.step_graphs = self._step_graphs()
         self.draft_graphs = self._draft_graphs()
         self.async_graphs = self._async_graphs()
+        self.kv_caches = self._allocate_kv()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -156,7 +160,8 @@ class Worker:
             return None if spec.ar_chain == 1 else DraftStepGraphs(
                 self.step_graphs, FullPages(spec), self.refresh_layer, False, self.page_table,
                 None, rows, stream=Stream.TARGET,
-                fused_rows=self.cfg.fused_row_planning, kind="decode")  # fmt: skip
+                fused_rows=self.cfg.fused_row_planning, kind="decode",
+                spare=self.store_spare)  # fmt: skip
         if not (spec.synchronized and spec.draft_chains):
             return None
         refresh = spec.refresh_while_drafting and self.selector.uses_scores
@@ -165,7 +170,8 @@ class Worker:
         max_steps = spec.round_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
                                self.page_table, self.scores, rows, max_steps=max_steps,
-                               fused_rows=self.cfg.fused_row_planning)  # fmt: skip
+                               fused_rows=self.cfg.fused_row_planning,
+                               spare=self.store_spare)  # fmt: skip
 
     def _async_graphs(self) -> AsyncStepGraphs | None:
         """Self-planning graphs of asynchronous runs (``aspire``, ``aspire_fsm``): a page
@@ -178,7 +184,8 @@ class Worker:
             return None
         return AsyncStepGraphs(self.step_graphs, self.selector, self.refresh_layer,
                                self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
-                               spec.max_drafts, self.cfg.fused_row_planning)  # fmt: skip
+                               spec.max_drafts, self.cfg.fused_row_planning,
+                               spare=self.store_spare)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -193,19 +200,25 @@ class Worker:
         elem = torch.tensor([], dtype=DTYPES[self.cfg.dtype]).element_size()
         return self.arch.num_layers * 2 * self.page_size * attn.kv_heads * attn.head_dim * elem
 
+    def _step_workspace(self) -> int:
+        """The largest steps' peak transient bytes on a GPU (``kv_budget.step_workspace``:
+        an eager step and, with graphs, a captured one); 0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0
+        buckets = self.graphs.buckets if self.graphs is not None else None
+        shapes = kv_budget.step_shapes(self.cfg.scheduler, self.max_q, buckets)
+        return kv_budget.step_workspace(self.model, shapes, kv_budget.CudaMemory(self.device))
+
+    @property
+    def store_spare(self) -> int:
+        """Bytes a graph store made after the KV pool leaves free (``device_memory.RowStore``):
+        the step workspace, 1 GiB at least."""
+        return max(SPARE_BYTES, self.step_workspace)
+
     def _allocate_kv(self) -> list[torch.Tensor]:
-        c = self.cfg.cache
-        if c.num_pages is not None:
-            num_pages = c.num_pages
-        elif c.kv_cache_memory_bytes is not None:
-            num_pages = c.kv_cache_memory_bytes // self.page_bytes()
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num_pages = int(free * c.gpu_memory_utilization) // self.page_bytes()
-        else:
-            num_pages = (1 << 30) // self.page_bytes()
-        if num_pages < 2:
-            raise ValueError(f"KV cache budget holds only {num_pages} pages; raise it")
+        free = kv_budget.CudaMemory(self.device).free() if self.device.type == "cuda" else None
+        num_pages = kv_budget.pool_pages(self.cfg.cache, self.page_bytes(), free,
+                                         self.step_workspace)  # fmt: skip
         attn = self.model.layers[0].self_attn
         shape = (num_pages, 2, self.page_size, attn.kv_heads, attn.head_dim)
         dtype = DTYPES[self.cfg.dtype]
@@ -507,6 +520,13 @@ class Worker:
         ``execute``: two prefills long enough for split-KV rows, then per d a verify row beside
         a draft row; the requests are dropped after. Their KV lands in pages no request owns
         yet (this runs in the constructor).
+
+        A capture that runs out of memory fails the start-up (RuntimeError naming the settings
+        to lower), as vLLM's does: the pool left the steps' measured workspace free
+        (``kv_budget.py``), and running every step eagerly instead cost `aspire` a third of its
+        speed, behind a warning. A sampled variant whose q store does not fit is left out,
+        with a warning (its requests' steps planned on the host); other capture failures still
+        leave the worker eager, with a warning.
         """
         spec, ps = self.cfg.spec, self.page_size
         if self.graphs is not None:
@@ -524,6 +544,12 @@ class Worker:
                 if self.async_graphs is not None:
                     self.async_graphs.capture_all(self.cfg.scheduler.max_num_seqs,
                                                   self.kv_caches, sampled)  # fmt: skip
+                if sampled:
+                    self._warn_unmade_stores()
+            except torch.OutOfMemoryError as e:
+                # the pool is sized to leave the steps' workspace free (kv_budget.py): a capture
+                # that still runs out is no reason to run every step eagerly (a third slower)
+                raise RuntimeError(self._capture_oom_message()) from e
             except Exception as e:  # noqa: BLE001  keep serving, eagerly, and say why
                 if self.tp.size > 1:  # the other ranks captured: running eagerly here would
                     raise  # pair this rank's collectives with their graphs' ones
@@ -548,6 +574,35 @@ class Worker:
                 rows.append(RowPlan(names[1], RowKind.DRAFT, ids[:1], ctx, need, []))
             self.execute(StepPlan(-1, rows))
         self.execute(StepPlan(-1, [], dropped_req_ids=list(names)))
+
+    def _capture_oom_message(self) -> str:
+        c, sched = self.cfg.cache, self.cfg.scheduler
+        pool = self.num_pages * self.page_bytes() / 2**30
+        return (f"CUDA graph capture ran out of memory: the KV pool holds {self.num_pages} "
+                f"pages ({pool:.2f} GiB) and left {self.step_workspace / 2**30:.2f} GiB for the "
+                f"steps' workspace. Lower gpu_memory_utilization ({c.gpu_memory_utilization}) "
+                f"or the pool's num_pages / kv_cache_memory_bytes, max_num_seqs "
+                f"({sched.max_num_seqs}) or max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}); or set cuda_graphs=False to run every "
+                f"step eagerly")
+
+    def _warn_unmade_stores(self) -> None:
+        """Say so where a sampling variant was left uncaptured at start-up because its store
+        of the drafts' q did not fit beside the pool (``device_memory.RowStore``): sampled
+        requests' steps of that family are then planned on the host."""
+        stores = []
+        if self.async_graphs is not None:
+            stores.append(("asynchronous runs", self.async_graphs.rows_q))
+        if self.draft_graphs is not None and self.draft_graphs.verify is not None:
+            stores.append(("round verifications", self.draft_graphs.rounds_q))
+        for family, store in stores:
+            if not store.fits():
+                logger.warning(
+                    "the q store of sampled %s (%.2f GiB) does not fit beside the KV pool "
+                    "and %.2f GiB of step workspace: their sampled variants are not captured "
+                    "and sampled requests' steps are planned on the host (slower); lower "
+                    "max_num_seqs or gpu_memory_utilization to make room", family,
+                    store.nbytes / 2**30, store.spare / 2**30)  # fmt: skip
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
