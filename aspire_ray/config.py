@@ -161,6 +161,14 @@ class SpecConfig:
     # `aspire`'s cost-model lengths already depend on the batch (docs/speculation.md), and
     # greedy rows gained 10% from the slots (docs/benchmarks.md §8.39, §8.42): to be timed.
     slot_sampled: bool = False
+    # Sampled requests draft and verify on one noise: a draft is raced over q on the TARGET
+    # stream at the position it fills, a verification takes the target's own race at each
+    # position and keeps the drafts that equal it (``rejection_sampler.verify_coupled_batch``).
+    # The text is then p's draws, token for token `ar`'s for a seeded request in every mode and
+    # whatever the draft lengths (so sampled rows take the verify slots as greedy ones do), and
+    # no draft's q is kept; a draft is accepted a little less often than by rejection sampling
+    # where q differs from p (tests/test_coupled_sampling.py). Off until timed on a GPU.
+    coupled_sampling: bool = False
     fsm_min: int = 1
     fsm_max: int = 16
     # aspire: a request whose target draft length stayed 0 for this many verifications drafts

@@ -106,6 +106,8 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "homogeneous": {"gamma_pricing": "homogeneous"},
     # sampled requests' draft lengths moved to the verify slots too (SpecConfig.slot_sampled)
     "slotsampled": {"slot_sampled": True},
+    # sampled drafts and verifications on one noise (SpecConfig.coupled_sampling)
+    "coupled": {"coupled_sampling": True},
     # sampled graph variants captured at their first use, not at start-up
     # (EngineConfig.sampled_graphs_at_start)
     "lazysampled": {"sampled_graphs_at_start": False},

@@ -140,6 +140,19 @@ def test_sampled_async_graphs_on_gpu(mode):
     assert all(len(tokens) == 96 for tokens in overlapped.values())
 
 
+@pytest.mark.parametrize("mode", ["magicdec", "aspire_fixed", "aspire", "aspire_fsm"])
+def test_coupled_sampling_gives_ars_text_on_gpu(mode):
+    # SpecConfig.coupled_sampling: drafts and verifications race on the target's noise, so
+    # sampled text (top-p 0.9, seeded) is ar's in fp32 with every graph family on, runs and
+    # rounds started early included (their dropped drafts change no committed token)
+    ar = _run("ar", "float32", temperature=0.8)
+    coupled = _run(mode, "float32", temperature=0.8, coupled_sampling=True)
+    worker = _run.last_worker
+    graphs = worker.async_graphs if mode in ("aspire", "aspire_fsm") else worker.draft_graphs
+    assert coupled == ar
+    assert graphs.steps > 20, "sampled steps did not replay the graphs"
+
+
 @pytest.mark.parametrize("mode", ["aspire", "aspire_fsm"])
 def test_runs_started_early_on_gpu(mode):
     # zero-bubble runs: the next run's first steps replay before the current run's tokens

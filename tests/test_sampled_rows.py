@@ -124,3 +124,48 @@ def test_the_rejected_draft_is_never_drawn_again():
             rejected += 1
             assert tokens == [1]
     assert 10 < rejected < 60
+
+
+def test_coupled_choices_are_the_targets_draws():
+    """``coupled=True`` (``SpecConfig.coupled_sampling``): a sampled query's choice is its own
+    race on the TARGET stream at the position it predicts (a draft row's x_pos + held + 1, a
+    verify row's j-th x_pos + 1 + j), from the Triton kernels (the interpreter here) as from
+    the torch code; greedy rows keep their argmax; the q store is not touched. The greedy
+    acceptance then gives ``verify_coupled_batch``'s tokens."""
+    temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
+    top_k, top_p = torch.tensor([0, 12, 0, 0, 0, 5]), torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0])
+    sampled = torch.tensor([s for _, s, _, _ in ROWS])
+    verify = torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS])
+    held = torch.tensor([h for _, _, h, _ in ROWS])
+    x_pos = torch.tensor([x for _, _, _, x in ROWS])
+    n, qo, t, logits, q_store, chain = _case(3)
+    seed = torch.arange(n, dtype=torch.int64) * 7919 + 3
+    argmax = logits.argmax(dim=-1)
+    runs = []
+    for kernels in (False, True):
+        store = q_store.clone().to(DEVICE)
+        args = [x.to(DEVICE) for x in (logits, argmax, qo, verify, held, x_pos, chain, sampled,
+                                       seed, top_k, temperature, top_p)]  # fmt: skip
+        choice = sampled_rows.sampled_choices(*args, (True, True), store, kernels, coupled=True)
+        assert torch.equal(store.cpu(), q_store)
+        runs.append(choice.cpu())
+    assert torch.equal(runs[0], runs[1])
+    choice = runs[0]
+    for r, (kind, is_sampled, h, x) in enumerate(ROWS):
+        lo = int(qo[r])
+        width = 1 if kind == "draft" else h + 1
+        mine = choice[lo : lo + width].tolist()
+        if not is_sampled:
+            assert mine == argmax[lo : lo + width].tolist()
+            continue
+        probs = sampler.probs_from_logits_ref(
+            logits[lo : lo + width], temperature[r].expand(width), top_k[r].expand(width),
+            top_p[r].expand(width), True, True)  # fmt: skip
+        first = x + 1 + (h if kind == "draft" else 0)
+        want = sampler.race_ref(probs, seed[r].expand(width), torch.arange(first, first + width),
+                                int(Stream.TARGET))  # fmt: skip
+        assert mine == want.tolist(), r
+        if kind == "verify":
+            drafts = chain[:h, r].tolist()
+            got = rs.verify_coupled_batch(probs, [rs.SampledVerify(0, drafts, int(seed[r]), x + 1)])
+            assert [rs.verify_greedy(mine, drafts)] == got

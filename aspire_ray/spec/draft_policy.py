@@ -227,12 +227,14 @@ class DraftPolicy:
 
     def keeps_its_target(self, req: Request, target: int) -> bool:
         """Whether ``align`` leaves the request's draft length alone: a sampled request unless
-        ``SpecConfig.slot_sampled`` (its draws follow its draft lengths, so a seeded request's
-        text would depend on the engine's step clock, i.e. on when it arrived) and a probe
+        ``SpecConfig.slot_sampled`` or ``coupled_sampling`` (its draws follow its draft lengths,
+        so a seeded request's text would depend on the engine's step clock, i.e. on when it
+        arrived; coupled, they do not) and a probe
         (one draft, the cheapest lesson for alpha and the cost model)."""
         probe = target == 1 and self.cfg.mode_spec.gamma_rule == "cost_model" \
             and self.probe_due(req)  # fmt: skip
-        return probe or (not req.sampling.greedy and not self.cfg.slot_sampled)
+        free = self.cfg.slot_sampled or self.cfg.coupled_sampling  # coupled: text fixed by seed
+        return probe or (not req.sampling.greedy and not free)
 
     def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
               keep: list[bool] | None = None) -> list[int]:  # fmt: skip

@@ -66,13 +66,14 @@ class AsyncStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
                  max_drafts: int, fused_rows: bool = True,
-                 spare: int = SPARE_BYTES) -> None:  # fmt: skip
+                 spare: int = SPARE_BYTES, coupled: bool = False) -> None:  # fmt: skip
         """selector: the draft page policy; with one that reads scores (scores given) every
         row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
         the most drafts a row holds (a verify row has one query more); fused_rows: rows
         planned and accepted in one launch each (``step_rows``); spare: bytes its q store
-        leaves free (``device_memory.RowStore``)."""
-        self.fused_rows = fused_rows
+        leaves free (``device_memory.RowStore``); coupled: sampled rows draft and verify on
+        one noise (``SpecConfig.coupled_sampling``), no q kept."""
+        self.fused_rows, self.coupled = fused_rows, coupled
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer = selector, refresh_layer
@@ -88,12 +89,13 @@ class AsyncStepGraphs:
         # store as a run left it (``snapshot_q``: the next run's first steps may rewrite it
         # before the host knows which drafts the rows hold). Every bucket's store and snapshot
         # view one pair (``rows_q``), made at the first sampled capture: 1.2 GB for 64 rows of
-        # Qwen2.5's vocabulary
+        # Qwen2.5's vocabulary; coupled sampling keeps no q (a placeholder of one value a row)
         self.sstate: dict[int, torch.Tensor] = {}
         self.fstate: dict[int, torch.Tensor] = {}
-        self.rows_q = RowStore(max_drafts, self.row_buckets[-1] if self.row_buckets else 1,
-                               self.model.arch.vocab_size, self.pieces.device, self.model.tp,
-                               copies=2, spare=spare)  # fmt: skip
+        planes, vocab = (1, 1) if coupled else (max_drafts, self.model.arch.vocab_size)
+        self.rows_q = RowStore(planes, self.row_buckets[-1] if self.row_buckets else 1, vocab,
+                               self.pieces.device, self.model.tp, copies=2,
+                               spare=spare)  # fmt: skip
         self.q_store: dict[int, torch.Tensor] = {}  # n -> rows_q's store, [:, :n]
         self.q_snap: dict[int, torch.Tensor] = {}  # n -> its snapshot, [:, :n]
         # the rows on the device: their sampling variant (None: greedy) and row bucket
@@ -251,7 +253,8 @@ class AsyncStepGraphs:
             (seed, top_k), (temperature, top_p) = self.sstate[n], self.fstate[n]
             argmax = sampled_choices(logits, argmax, qo, verify, held, x_pos,
                                      chain, (flags & _SAMPLED) > 0, seed, top_k, temperature,
-                                     top_p, variant, self.q_store[n])  # fmt: skip
+                                     top_p, variant, self.q_store[n],
+                                     coupled=self.coupled)  # fmt: skip
         # draft rows: the argmax joins their drafts; verify rows: the accepted prefix
         accept_rows(argmax, inputs[0, :t], qo, rp["rows"], x_id, x_pos, x_pos, chain, held,
                     fused=self.fused_rows)  # fmt: skip

@@ -134,7 +134,8 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
         offsets = batch.logit_offsets
         choices = logits.argmax(dim=-1)
         if sampled:
-            choices = _host_choices(logits, choices, offsets, tracks, specs, s)
+            choices = _host_choices(logits, choices, offsets, tracks, specs, s,
+                                    worker.cfg.spec.coupled_sampling)  # fmt: skip
         t0 = time.perf_counter()
         choices = choices.tolist()
         wait += time.perf_counter() - t0
@@ -147,7 +148,8 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
 
 
 def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
-                  tracks: list[AsyncTrack], specs: list, step: int) -> torch.Tensor:  # fmt: skip
+                  tracks: list[AsyncTrack], specs: list, step: int,
+                  coupled: bool) -> torch.Tensor:  # fmt: skip
     """A host-planned step's choices (``sampled_rows.host_choices``, the graphs' code over
     tensors made from the tracks); each sampled draft row's q joins its track, a
     verification empties it."""
@@ -156,9 +158,9 @@ def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int]
     chain = chain_of([t.known[1:] for t in tracks], logits.device)
     choices, new_q = host_choices(logits, argmax, offsets, verify, held,
                                   [t.x_pos for t in tracks], chain, specs,
-                                  [t.q for t in tracks])  # fmt: skip
+                                  [t.q for t in tracks], coupled)  # fmt: skip
     for t, spec, v, q in zip(tracks, specs, verify, new_q, strict=True):
-        if not spec.greedy:
+        if not spec.greedy and not coupled:
             t.q = [] if v else t.q + [q]
     return choices
 
@@ -234,7 +236,7 @@ def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
     for d, rid in enumerate(row_ids):
         if rid in by_id:
             tracks[by_id[rid]].take_run(flat, starts[:, d])
-    if graphs.variant is not None:  # the sampled rows' q of the drafts they hold now
+    if graphs.variant is not None and not graphs.coupled:  # the q of the drafts held now
         for d, rid in enumerate(row_ids):
             req = worker.requests[rid] if rid in by_id else None
             if req is not None and not req.sampling.greedy:

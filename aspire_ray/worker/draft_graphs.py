@@ -100,10 +100,12 @@ class DraftStepGraphs:
         # sampled rounds: n -> float32 [max_steps, n, V], the q of each draft of the round,
         # every bucket a view of one store (``rounds_q``) made at the first sampled
         # verification's capture (start-up, ``capture_all``, or a round's), where the memory
-        # holds it (``verifies``)
-        self.rounds_q = RowStore(max_steps, self.buckets[-1] if self.buckets else 1,
-                                 self.model.arch.vocab_size, self.pieces.device,
-                                 self.model.tp, spare=spare)  # fmt: skip
+        # holds it (``verifies``); coupled sampling (drafts on the target's stream) keeps no q:
+        # a placeholder of one value a row
+        self.coupled = stream == Stream.TARGET and kind == "draft"
+        planes, vocab = (1, 1) if self.coupled else (max_steps, self.model.arch.vocab_size)
+        self.rounds_q = RowStore(planes, self.buckets[-1] if self.buckets else 1, vocab,
+                                 self.pieces.device, self.model.tp, spare=spare)  # fmt: skip
         self.q_round: dict[int, torch.Tensor] = {}
         self.variant = None  # the sampling variant of the rows on the device (None: greedy)
         self.plans: dict[tuple[int, bool], FixedPlan] = {}
@@ -403,7 +405,7 @@ class DraftStepGraphs:
             for s in range(steps):
                 self.graphs[n, variant].replay()
                 chain[s].copy_(state[0])
-                if variant is not None:
+                if variant is not None and not self.coupled:
                     self.q_round[n][s].copy_(self.probs[n, variant])
             argmax = self.verify.replay(n, steps + 1, variant)
             # copied now: the next replay may reuse the graph pool's memory

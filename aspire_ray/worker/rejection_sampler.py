@@ -122,3 +122,35 @@ def verify_sampled_batch(target_probs: torch.Tensor, rows: list[SampledVerify],
         final = sample_from_probs(p_at, seeds, pos0 + accepted, stream)
     counts, tokens = torch.stack([accepted, final]).tolist()  # the one device sync
     return [(a, row.drafts[:a] + [t]) for a, t, row in zip(counts, tokens, rows, strict=True)]
+
+
+def verify_coupled_batch(target_probs: torch.Tensor,
+                         rows: list[SampledVerify]) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """Coupled verification (``SpecConfig.coupled_sampling``) of many rows, one device sync:
+    at every query j of a row the target's own draw w_j, the exponential race of p_j on the
+    TARGET stream at pos0 + j (the draw ``ar`` makes at that position); a row accepts its
+    drafts while d_{j+1} == w_j and then takes w_a at its first mismatch a (or w_d).
+
+    The drafts were raced on the same noise (TARGET stream, the positions they fill) over q,
+    so where q is near p they win where p wins (``tests/test_coupled_sampling.py`` measures
+    how often). Every token committed is a target draw, whatever was drafted: the text is
+    p's sample, the same as ``ar``'s for a seeded request, and independent of the draft
+    lengths (which lets the scheduler move them; ``DraftPolicy.keeps_its_target``).
+
+    target_probs: [N, V] the step's sampling distributions, one per logit row; no q is read.
+    """
+    device = target_probs.device
+    lens = [len(row.drafts) for row in rows]
+    of = [r for r, n in enumerate(lens) for _ in range(n + 1)]  # each query's row
+    j = [i for n in lens for i in range(n + 1)]  # its index in the row
+    logit = i64([rows[r].logit_row + i for r, i in zip(of, j, strict=True)], device)
+    seeds = i64([rows[r].seed for r in of], device)
+    positions = i64([rows[r].pos0 + i for r, i in zip(of, j, strict=True)], device)
+    won = sample_from_probs(target_probs[logit], seeds, positions, Stream.TARGET).tolist()
+    out, at = [], 0
+    for row, n in zip(rows, lens, strict=True):
+        w = won[at : at + n + 1]
+        at += n + 1
+        accepted, _ = verify_greedy(w, row.drafts)
+        out.append((accepted, row.drafts[:accepted] + [w[accepted]]))
+    return out

@@ -62,8 +62,14 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
                     chain: torch.Tensor, sampled: torch.Tensor, seed: torch.Tensor,
                     top_k: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                     variant: tuple[bool, bool], q_store: torch.Tensor,
-                    kernels: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """Each query's choice (module docstring); greedy rows keep their argmax.
+                    kernels: bool | None = None,
+                    coupled: bool = False) -> torch.Tensor:  # fmt: skip
+    """Each query's choice (module docstring); greedy rows keep their argmax. With
+    ``coupled`` (``SpecConfig.coupled_sampling``) a sampled query's choice is its own draw on
+    the TARGET stream at the position it predicts, a draft row's from q and a verify row's
+    from p alike, and the greedy acceptance after this moves every row on: a verify row
+    keeps its drafts while each equals the target's draw before it, then takes that draw
+    (``rejection_sampler.verify_coupled_batch``); q_store is neither read nor written.
 
     logits [t, V] (float32; on a GPU the model's dtype, ``DecoderModel.sampling_logits``);
     argmax int64 [t]; qo [n + 1] the rows' query offsets (queries past
@@ -89,6 +95,10 @@ def sampled_choices(logits: torch.Tensor, argmax: torch.Tensor, qo: torch.Tensor
     row, j, live, q_temperature, q_top_k, q_top_p, checks, d = layout(
         qo, sampled, verify, held, temperature, top_k, top_p, t)
     probs = sampler.probs_from_logits(logits, q_temperature, q_top_k, q_top_p, *variant)
+    if coupled:  # a draft row's query predicts x_pos + held + 1, a verify row's j-th x_pos + 1 + j
+        position = x_pos[row] + 1 + torch.where(verify[row] > 0, j, held[row])
+        won = sampler.sample_from_probs(probs, seed[row], position, int(Stream.TARGET))
+        return torch.where(live, won, argmax)
     # verify rows: each query's test of its draft, then each row's first rejected draft a
     # (d where none is) and its one draw, in one race (its cost is per row): a draft row's
     # from q, its first query's distribution, on the DRAFT stream at the position it
@@ -189,18 +199,19 @@ def chain_of(drafts: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
                  verify: list[bool], held: list[int], x_pos: list[int], chain: torch.Tensor,
-                 specs: list,
-                 qs: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list]:  # fmt: skip
+                 specs: list, qs: list[list[torch.Tensor]],
+                 coupled: bool = False) -> tuple[torch.Tensor, list]:  # fmt: skip
     """``sampled_choices`` of a step planned on the host, from host lists: offsets [n + 1]
     its rows' logit rows; per row whether it verifies, the drafts it holds, x_pos, its
     SamplingSpec and the q of its drafts held (float32 [V] each); chain int64 [D, n] those
     drafts, D > every draft row's held. -> (the choices, each sampled draft row's new q, its
-    own copy, None for the other rows)."""
+    own copy, None for the other rows; with ``coupled`` None for every row: no q is kept)."""
     n, dev = len(specs), logits.device
     # only the verify rows' q are read (a draft row's are written at [held]): the rest is
     # left unset, not zeroed (tens of MB a step on a CPU at 64 rows)
-    q_store = torch.empty(chain.shape[0], n, logits.shape[1], dtype=torch.float32, device=dev)
-    for r, q in enumerate(qs):
+    depth, v = (1, 1) if coupled else (chain.shape[0], logits.shape[1])
+    q_store = torch.empty(depth, n, v, dtype=torch.float32, device=dev)
+    for r, q in enumerate([] if coupled else qs):
         if q and verify[r]:
             q_store[: len(q), r] = torch.stack(q)
 
@@ -210,7 +221,8 @@ def host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
         ints(held, dev), ints(x_pos, dev), chain, ints([not s.greedy for s in specs], dev) > 0,
         ints([s.seed for s in specs], dev), ints([s.top_k for s in specs], dev),
         floats([1.0 if s.greedy else s.temperature for s in specs], dev),
-        floats([s.top_p for s in specs], dev), sampler.need_flags(specs), q_store)
-    new_q = [None if s.greedy or v else q_store[h, r].clone()
+        floats([s.top_p for s in specs], dev), sampler.need_flags(specs), q_store,
+        coupled=coupled)
+    new_q = [None if s.greedy or v or coupled else q_store[h, r].clone()
              for r, (s, v, h) in enumerate(zip(specs, verify, held, strict=True))]  # fmt: skip
     return choices, new_q

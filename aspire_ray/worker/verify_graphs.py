@@ -136,7 +136,8 @@ class VerifyGraphs:
             argmax = sampled_choices(logits, argmax, qo, live.long(),
                                      live.long() * (q - 1), start_pos, chain,
                                      (flags & _SAMPLED) > 0, seed, top_k, temperature, top_p,
-                                     variant, d.q_round[n])  # fmt: skip
+                                     variant, d.q_round[n],
+                                     coupled=d.coupled)  # fmt: skip
         accept_rows(argmax, inputs[0, : n * q], qo, rows, ids, pos, start_pos, chain,
                     fused=d.fused_rows)  # fmt: skip
         return argmax.view(n, q)

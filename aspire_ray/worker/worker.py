@@ -139,6 +139,13 @@ class Worker:
         (``SpecConfig.max_drafts``), plus one."""
         return self.cfg.spec.max_drafts + 1
 
+    @property
+    def draft_stream(self) -> Stream:
+        """The random stream a sampled draft is drawn on: its own (rejection sampling), or the
+        target's (``SpecConfig.coupled_sampling``: the draft races on the noise the target's
+        draw at that position will race on)."""
+        return Stream.TARGET if self.cfg.spec.coupled_sampling else Stream.DRAFT
+
     def _step_graphs(self) -> StepGraphs | None:
         """Whole-step graphs of decode steps beside the piecewise ones; a page-scoring policy's
         refresh layer stays eager between two graphs."""
@@ -169,8 +176,8 @@ class Worker:
         # a chain is at most the fixed gamma long: so many planes of the sampled rounds' q
         max_steps = spec.round_drafts if spec.chain_verify and self.cfg.verify_graphs else 0
         return DraftStepGraphs(self.step_graphs, self.selector, self.refresh_layer, refresh,
-                               self.page_table, self.scores, rows, max_steps=max_steps,
-                               fused_rows=self.cfg.fused_row_planning,
+                               self.page_table, self.scores, rows, stream=self.draft_stream,
+                               max_steps=max_steps, fused_rows=self.cfg.fused_row_planning,
                                spare=self.store_spare)  # fmt: skip
 
     def _async_graphs(self) -> AsyncStepGraphs | None:
@@ -185,7 +192,8 @@ class Worker:
         return AsyncStepGraphs(self.step_graphs, self.selector, self.refresh_layer,
                                self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
                                spec.max_drafts, self.cfg.fused_row_planning,
-                               spare=self.store_spare)  # fmt: skip
+                               spare=self.store_spare,
+                               coupled=spec.coupled_sampling)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
@@ -450,7 +458,8 @@ class Worker:
         choices, _ = host_choices(logits, argmax, offsets, [True] * len(rows), held,
                                   [row.start_pos for row in vrows], chain,
                                   [req.sampling for req in reqs],
-                                  [req.draft_probs[: h] for req, h in zip(reqs, held, strict=True)])
+                                  [req.draft_probs[: h] for req, h in zip(reqs, held, strict=True)],
+                                  coupled=self.cfg.spec.coupled_sampling)  # fmt: skip
         for req in reqs:
             req.draft_probs.clear()
         return choices
@@ -474,8 +483,9 @@ class Worker:
         seeds = sampler.i64([self.requests[rows[r].req_id].sampling.seed for r in which], dev)
         positions = sampler.i64([rows[r].context_len + shift for r in which], dev)
         tokens = tokens.index_copy(0, at, sampler.sample_from_probs(
-            q, seeds, positions, Stream.DRAFT if drafting else Stream.TARGET))  # fmt: skip
-        for r, q_row in zip(which, q.unbind(0) if drafting else [], strict=False):
+            q, seeds, positions, self.draft_stream if drafting else Stream.TARGET))  # fmt: skip
+        keep = drafting and not self.cfg.spec.coupled_sampling  # coupled: no q is read again
+        for r, q_row in zip(which, q.unbind(0) if keep else [], strict=False):
             # its own copy: a view would keep all k rows alive until its verification
             self.requests[rows[r].req_id].draft_probs.append(q_row.clone())
         return tokens
@@ -495,7 +505,8 @@ class Worker:
                                    f"cannot hold {row.start_pos + steps} tokens")
         drafts, qs = graphs.run(rows, [req.sampling for req in reqs], slots,
                                 [req.scored_pages > 0 for req in reqs], steps, self.kv_caches,
-                                keep_q=rows[0].kind == RowKind.DRAFT)  # fmt: skip
+                                keep_q=rows[0].kind == RowKind.DRAFT
+                                and not self.cfg.spec.coupled_sampling)  # fmt: skip
         if graphs.refresh:  # every step scored every row
             for req, pages in zip(reqs, final, strict=True):
                 req.scored_pages = pages
@@ -618,7 +629,8 @@ class Worker:
         argmax = logits.argmax(dim=-1).tolist() if any_greedy else []
         drawn = self._draw_single(rows, probs, offsets) if probs is not None else {}
         verified = self._verify_sampled(rows, probs, offsets) if probs is not None else {}
-        kept = self._sampled_draft_probs(rows, probs, offsets) if probs is not None else {}
+        kept = self._sampled_draft_probs(rows, probs, offsets) \
+            if probs is not None and not self.cfg.spec.coupled_sampling else {}  # fmt: skip
         results = []
         for r, row in enumerate(rows):
             req = self.requests[row.req_id]
@@ -641,7 +653,7 @@ class Worker:
                 token = argmax[lo]
             else:
                 token = drawn[r]
-                if row.kind == RowKind.DRAFT:
+                if row.kind == RowKind.DRAFT and r in kept:
                     req.draft_probs.append(kept[r])
             results.append(RowResult(row.req_id, row.kind, [token]))
         return results
@@ -671,6 +683,9 @@ class Worker:
             q += req.draft_probs[: len(drafts)]
         if not which:
             return {}
+        if self.cfg.spec.coupled_sampling:
+            return dict(zip(which, rejection_sampler.verify_coupled_batch(probs, batch),
+                            strict=True))  # fmt: skip
         draft_probs = torch.stack(q) if q else None
         results = rejection_sampler.verify_sampled_batch(probs, batch, draft_probs)
         return dict(zip(which, results, strict=True))
@@ -680,12 +695,12 @@ class Worker:
         """The token of every non-greedy draft row and sampling prefill row (row -> token), one
         batched draw per random stream instead of a draw (and a device sync) per row; the draw
         of a row depends only on its own (seed, position, stream)."""
-        groups: dict[Stream, list[int]] = {Stream.DRAFT: [], Stream.TARGET: []}
+        groups: dict[Stream, list[int]] = {self.draft_stream: [], Stream.TARGET: []}
         for r, row in enumerate(rows):
             if self.requests[row.req_id].sampling.greedy or row.kind == RowKind.VERIFY \
                     or (row.kind == RowKind.PREFILL and not row.sample):  # fmt: skip
                 continue
-            groups[Stream.DRAFT if row.kind == RowKind.DRAFT else Stream.TARGET].append(r)
+            groups[self.draft_stream if row.kind == RowKind.DRAFT else Stream.TARGET].append(r)
         drawn: dict[int, int] = {}
         for stream, rs in groups.items():
             if not rs:
