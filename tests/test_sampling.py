@@ -243,3 +243,25 @@ def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir, mode, asyn
     assert held > 0, "no pending draft held"
     if mode == "aspire":  # steps of draft rows beside verify rows (aspire_fixed: chains)
         assert mixed > 0, "no step mixed drafts and verifications"
+
+
+@pytest.mark.parametrize("mode", ["aspire_fixed", "magicdec"])
+def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_dir, mode,
+                                                                      monkeypatch):  # fmt: skip
+    """The host samples a planned step's rows (``Worker._sample``; not an asynchronous run's,
+    ``async_runs``) in runs of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows, so that a
+    step's sampling distributions and verified q never exist all at once: the same seeded
+    tokens with runs of 5 as with one run a step (a verify row of more than 5 runs alone)."""
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(4, [20, 60], 256, seed=12)
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=50 + i,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    whole = _generate(_engine(model_dir, mode, gamma_init=4), prompts, params)
+    monkeypatch.setattr(sampler, "HOST_SAMPLE_ROWS", 5)
+    engine = _engine(model_dir, mode, gamma_init=4)
+    worker, runs, steps = engine.executor.worker, [], []
+    sample_run, sample = worker._sample_run, worker._sample
+    worker._sample_run = lambda *a: runs.append(1) or sample_run(*a)
+    worker._sample = lambda *a: steps.append(1) or sample(*a)
+    assert _generate(engine, prompts, params) == whole
+    assert len(runs) > len(steps)  # steps were cut into runs

@@ -10,9 +10,10 @@ captured:
     eager   the largest step the host plans (prefill chunks; decode steps that no graph
             holds): the forward over max_num_batched_tokens tokens, the float32 logits of its
             most logit rows, min(max_num_batched_tokens, max_num_seqs * max_q) (every query of
-            a verify row has logits), and a sampled step's choices from them: the top-k /
-            top-p probabilities (float32 [rows, V]) and speculative rejection sampling of rows
-            of max_q queries, their drafts' q stacked (float32 [drafts, V]). What it frees the
+            a verify row has logits), and a sampled step's choices from them, a run of at most
+            ``sampler.HOST_SAMPLE_ROWS`` logit rows at a time: the top-k / top-p
+            probabilities (float32 [rows, V]) and speculative rejection sampling of rows of
+            max_q queries, their drafts' q stacked (float32 [drafts, V]). What it frees the
             allocator keeps cached for the next eager step, and a graph's capture cannot take
             that cache (each capture's eager run leaves its own peak there too).
     graph   the largest captured step, sampled: ``graph_rows`` tokens, each with logits (an
@@ -22,7 +23,10 @@ captured:
 
 At Qwen2.5's vocabulary (151,936) a row of float32 logits or probabilities is 0.6 MB: with
 max_num_seqs 1024 and max_num_batched_tokens 16384 the eager step of an ``aspire`` batch
-(16,384 logit rows) takes ~31 GB, the graph step (1,024 rows) ~0.9 GB. The attention's scratch
+(16,384 logit rows) takes ~14 GB (10 GB of logits, then 2,048 rows' probabilities and 1,920
+drafts' q at a time; ~31 GB when all of them were sampled at once), the graph step (1,024
+rows) ~0.9 GB. An asynchronous run planned on the host (``async_runs``, where its graphs do
+not hold it) samples its step at once; its q store is not counted. The attention's scratch
 is not measured (its output is; the fixed plans' split-KV partials are made with the graphs,
 out of the 1 - gpu_memory_utilization left over). On the CPU the pool is 1 GiB; nothing is
 measured.
@@ -84,7 +88,10 @@ def run_step(model, tokens: int, logit_rows: int, max_q: int, graph: bool) -> No
         logits = model.compute_logits(hidden[torch.arange(logit_rows, device=dev)])
         logits.argmax(dim=-1)
     del hidden
-    n = logit_rows
+    # the host samples a run of rows at a time (``Worker._sample``): the probabilities and the
+    # verified drafts' q of at most HOST_SAMPLE_ROWS logit rows beside all the logits
+    n = logit_rows if graph else min(logit_rows, sampler.HOST_SAMPLE_ROWS)
+    logits = logits[:n]
     temperature = torch.ones(n, dtype=torch.float32, device=dev)
     top_k = torch.full((n,), 50, dtype=torch.int64, device=dev)
     top_p = torch.full((n,), 0.9, dtype=torch.float32, device=dev)

@@ -15,6 +15,24 @@ import torch
 from aspire_ray.kernels.host import upload
 
 _MASK32 = 0xFFFFFFFF
+# Logit rows whose sampling distributions a host-planned step holds at once (``Worker._sample``
+# takes a larger step's rows in runs of whole rows up to this many): [2048, V] float32 is
+# 1.2 GB at Qwen2.5's vocabulary, where a step of 16,384 logit rows held 10 GB of them and as
+# much again of its verified drafts' q (``kv_budget.py`` reserves what one run holds)
+HOST_SAMPLE_ROWS = 2048
+
+
+def row_runs(offsets: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive rows [a, b) whose logit rows (offsets [n + 1]) number at most ``limit``
+    (a row of more alone), covering every row in order."""
+    runs, start = [], 0
+    for r in range(1, len(offsets)):
+        if r - 1 > start and offsets[r] - offsets[start] > limit:
+            runs.append((start, r - 1))
+            start = r - 1
+    if len(offsets) > 1:
+        runs.append((start, len(offsets) - 1))
+    return runs
 
 
 def i64(xs: list[int], device) -> torch.Tensor:

@@ -623,6 +623,19 @@ class Worker:
     # ---- sampling and verification -----------------------------------------------------------
     def _sample(self, rows: list[RowPlan], logits: torch.Tensor,
                 offsets: list[int]) -> list[RowResult]:
+        """Each row's result from the step's logits [N, V] (offsets [n + 1]: each row's
+        logit rows), in runs of rows of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows so
+        that a large step's sampling distributions and verified q never exist all at once
+        (a draw depends only on its row: the same tokens; a run syncs once)."""
+        results = []
+        for a, b in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
+            lo = offsets[a]
+            results += self._sample_run(rows[a:b], logits[lo : offsets[b]],
+                                        [o - lo for o in offsets[a : b + 1]])  # fmt: skip
+        return results
+
+    def _sample_run(self, rows: list[RowPlan], logits: torch.Tensor,
+                    offsets: list[int]) -> list[RowResult]:  # fmt: skip
         probs = self._probs(rows, logits, offsets)
         # one device sync for every greedy choice; none in an all-sampled step
         any_greedy = any(self.requests[row.req_id].sampling.greedy for row in rows)
