@@ -12,7 +12,7 @@ from aspire_ray import SamplingParams
 from aspire_ray.attention import AttentionBackend
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
-from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs, buckets
+from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs, buckets, row_buckets
 
 SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
@@ -87,3 +87,12 @@ def test_whole_step_graphs_equal_eager(tiny_model_dir, mode):
     assert got == expected
     assert w.step_graphs.steps > 10, "too few steps replayed whole"
     assert len(w.step_graphs.graphs[min(w.step_graphs.graphs)]) == (2 if mode == "aspire" else 1)
+
+
+def test_row_buckets_hold_up_to_max_rows_or_all():
+    # a self-planning graph family's row buckets: up to the one holding max_num_seqs; with
+    # more requests than the largest token bucket (1024 of them at 512 tokens a step) all of
+    # them, where the comparison with no bucket raised TypeError at start-up
+    assert row_buckets(buckets(512), 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert row_buckets(buckets(512), 48) == [1, 2, 4, 8, 16, 32, 64]
+    assert row_buckets(buckets(512), 1024) == buckets(512)

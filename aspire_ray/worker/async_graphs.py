@@ -46,6 +46,7 @@ from aspire_ray.kernels.host import upload
 from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan
 
+from .cuda_graphs import row_buckets
 from .device_memory import SPARE_BYTES, RowStore
 from .draft_graphs import SAMPLED_VARIANTS, sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
@@ -80,7 +81,7 @@ class AsyncStepGraphs:
         self.scoring = scores is not None
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
-        self.row_buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
+        self.row_buckets = row_buckets(self.pieces.buckets, max_rows)
         # n -> int64 [6, n]: slot, flags, draft length, drafts held, x_n, its position
         self.state: dict[int, torch.Tensor] = {}
         self.chain: dict[int, torch.Tensor] = {}  # n -> int64 [max_drafts, n]: pending drafts
@@ -173,7 +174,8 @@ class AsyncStepGraphs:
         on a process's first use of a row bucket the compiles of its kernel variants (~1 s
         each), inside a running batch's steps (§8.23: the first ``aspire`` mode of a benchmark
         run)."""
-        top = next((b for b in self.row_buckets if b >= rows), None)
+        # more rows than the largest bucket: its graphs (the steps past it run on the host)
+        top = next((b for b in self.row_buckets if b >= rows), max(self.row_buckets, default=None))
         if top is None:
             return
         variants = [None] + (SAMPLED_VARIANTS if sampled else [])

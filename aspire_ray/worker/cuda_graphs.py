@@ -92,6 +92,14 @@ def buckets(max_tokens: int) -> list[int]:
     return out
 
 
+def row_buckets(token_buckets: list[int], max_rows: int) -> list[int]:
+    """The buckets a self-planning graph family captures for up to ``max_rows`` rows: those up
+    to the smallest holding max_rows, or all of them where none does (more rows than the
+    largest bucket: such steps are planned on the host)."""
+    top = next((b for b in token_buckets if b >= max_rows), None)
+    return [n for n in token_buckets if top is None or n <= top]
+
+
 class PiecewiseGraphs:
     def __init__(self, model: DecoderModel, backend: AttentionBackend, max_tokens: int,
                  device: torch.device, graph_factory=None) -> None:  # fmt: skip

@@ -44,6 +44,7 @@ from aspire_ray.kernels.metadata import PagedKVMeta
 from aspire_ray.plan import RowPlan, SamplingSpec, Stream
 
 from . import sampler
+from .cuda_graphs import row_buckets
 from .device_memory import SPARE_BYTES, RowStore
 from .draft_pages import (
     PageScoreTable,
@@ -85,7 +86,7 @@ class DraftStepGraphs:
         self.model = self.pieces.model
         self.selector, self.refresh_layer, self.refresh = selector, refresh_layer, refresh
         self.page_table, self.scores = page_table, scores
-        self.buckets = [n for n in self.pieces.buckets if n <= self.pieces.bucket(max_rows)]
+        self.buckets = row_buckets(self.pieces.buckets, max_rows)
         # n -> int64 [6, n]: ids, pos, slot, flags, top_k, seed; float32 [2, n]: temperature,
         # top_p (sampled rows)
         self.state: dict[int, torch.Tensor] = {}
