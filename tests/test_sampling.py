@@ -245,13 +245,16 @@ def test_pending_draft_probs_hold_only_their_own_rows(tiny_model_dir, mode, asyn
         assert mixed > 0, "no step mixed drafts and verifications"
 
 
-@pytest.mark.parametrize("mode", ["aspire_fixed", "magicdec"])
+@pytest.mark.parametrize("mode", ["aspire_fixed", "magicdec", "aspire"])
 def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_dir, mode,
                                                                       monkeypatch):  # fmt: skip
-    """The host samples a planned step's rows (``Worker._sample``; not an asynchronous run's,
-    ``async_runs``) in runs of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows, so that a
-    step's sampling distributions and verified q never exist all at once: the same seeded
-    tokens with runs of 5 as with one run a step (a verify row of more than 5 runs alone)."""
+    """The host samples a planned step's rows (``Worker._sample``; an asynchronous run's step,
+    ``async_runs._host_choices``) in runs of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows,
+    so that a step's sampling distributions and verified q never exist all at once: the same
+    seeded tokens with runs of 5 as with one run a step (a verify row of more than 5 runs
+    alone)."""
+    from aspire_ray.worker import async_runs
+
     model_dir = tiny_model_dir("llama")
     prompts = random_prompts(4, [20, 60], 256, seed=12)
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=50 + i,
@@ -260,8 +263,15 @@ def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_
     monkeypatch.setattr(sampler, "HOST_SAMPLE_ROWS", 5)
     engine = _engine(model_dir, mode, gamma_init=4)
     worker, runs, steps = engine.executor.worker, [], []
-    sample_run, sample = worker._sample_run, worker._sample
-    worker._sample_run = lambda *a: runs.append(1) or sample_run(*a)
-    worker._sample = lambda *a: steps.append(1) or sample(*a)
+
+    def counted(fn, into):
+        return lambda *a, **kw: into.append(1) or fn(*a, **kw)
+
+    if mode == "aspire":  # its steps sampled in async_runs
+        monkeypatch.setattr(async_runs, "host_choices", counted(async_runs.host_choices, runs))
+        monkeypatch.setattr(async_runs, "_host_choices", counted(async_runs._host_choices, steps))
+    else:
+        worker._sample_run = counted(worker._sample_run, runs)
+        worker._sample = counted(worker._sample, steps)
     assert _generate(engine, prompts, params) == whole
-    assert len(runs) > len(steps)  # steps were cut into runs
+    assert len(runs) > len(steps) > 0  # steps were cut into runs

@@ -30,7 +30,7 @@ import torch
 
 from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
-from . import rejection_sampler
+from . import rejection_sampler, sampler
 from .device_result import DeviceResult
 from .graph_clock import CLOCK
 from .sampled_rows import chain_of, host_choices
@@ -151,18 +151,26 @@ def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int]
                   tracks: list[AsyncTrack], specs: list, step: int,
                   coupled: bool) -> torch.Tensor:  # fmt: skip
     """A host-planned step's choices (``sampled_rows.host_choices``, the graphs' code over
-    tensors made from the tracks); each sampled draft row's q joins its track, a
-    verification empties it."""
+    tensors made from the tracks), in runs of rows of at most ``sampler.HOST_SAMPLE_ROWS``
+    logit rows as ``Worker._sample`` takes them (a large step's distributions and q store
+    never all at once; a row's choices depend on its own alone); each sampled draft row's q
+    joins its track, a verification empties it."""
     held = [len(t.known) - 1 for t in tracks]
     verify = [t.kinds[step] >= 0 for t in tracks]
-    chain = chain_of([t.known[1:] for t in tracks], logits.device)
-    choices, new_q = host_choices(logits, argmax, offsets, verify, held,
-                                  [t.x_pos for t in tracks], chain, specs,
-                                  [t.q for t in tracks], coupled)  # fmt: skip
-    for t, spec, v, q in zip(tracks, specs, verify, new_q, strict=True):
-        if not spec.greedy and not coupled:
-            t.q = [] if v else t.q + [q]
-    return choices
+    parts = []
+    for a, b in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
+        lo, hi = offsets[a], offsets[b]
+        chain = chain_of([t.known[1:] for t in tracks[a:b]], logits.device)
+        choices, new_q = host_choices(logits[lo:hi], argmax[lo:hi],
+                                      [o - lo for o in offsets[a : b + 1]], verify[a:b],
+                                      held[a:b], [t.x_pos for t in tracks[a:b]], chain,
+                                      specs[a:b], [t.q for t in tracks[a:b]], coupled)  # fmt: skip
+        parts.append(choices)
+        for t, spec, v, q in zip(tracks[a:b], specs[a:b], verify[a:b], new_q, strict=True):
+            if not spec.greedy and not coupled:
+                t.q = [] if v else t.q + [q]
+    parts.append(argmax[offsets[-1] :])  # no logit row past the last row's, as a rule
+    return torch.cat(parts)
 
 
 @dataclass

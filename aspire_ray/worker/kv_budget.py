@@ -25,8 +25,9 @@ At Qwen2.5's vocabulary (151,936) a row of float32 logits or probabilities is 0.
 max_num_seqs 1024 and max_num_batched_tokens 16384 the eager step of an ``aspire`` batch
 (16,384 logit rows) takes ~14 GB (10 GB of logits, then 2,048 rows' probabilities and 1,920
 drafts' q at a time; ~31 GB when all of them were sampled at once), the graph step (1,024
-rows) ~0.9 GB. An asynchronous run planned on the host (``async_runs``, where its graphs do
-not hold it) samples its step at once; its q store is not counted. The attention's scratch
+rows) ~0.9 GB. An asynchronous run's step planned on the host (``async_runs``) samples in the
+same runs; its q store of a run's rows, [max_q, rows, V], is about the stacked q counted
+here. The attention's scratch
 is not measured (its output is; the fixed plans' split-KV partials are made with the graphs,
 out of the 1 - gpu_memory_utilization left over). On the CPU the pool is 1 GiB; nothing is
 measured.
