@@ -255,10 +255,17 @@ def is_python_function(event) -> bool:
 def new_tokens(args) -> int:
     """Output tokens per request that outlast the run: every engine step (a round of draft
     chain + verification commits up to gamma + 1 tokens, rounds_per_plan of them in one plan;
-    an ar decode chain ar_chain tokens) plus a verification."""
+    an ar decode chain ar_chain tokens) plus a verification, at the largest gamma and
+    rounds_per_plan of the run's modes (their ``/gN``, ``rN``, ``aN`` variants)."""
     plans = args.warmup + args.steps + args.profile_steps + args.cprofile
-    spec = SpecConfig()
-    return plans * max((spec.gamma + 1) * spec.rounds_per_plan, spec.ar_chain) + spec.d_max + 2
+    spec, per_plan = SpecConfig(), 1
+    for mode in args.modes.split(","):
+        o = mode_options(mode)[1]
+        per_plan = max(per_plan, (o.get("gamma", spec.gamma) + 1)
+                       * o.get("rounds_per_plan", spec.rounds_per_plan),
+                       o.get("ar_chain", spec.ar_chain))  # fmt: skip
+    return plans * per_plan + max(spec.d_max, *(mode_options(m)[1].get("d_max", 0)
+                                                for m in args.modes.split(","))) + 2
 
 
 def sampling_params(args) -> SamplingParams:

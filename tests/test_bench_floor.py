@@ -320,10 +320,15 @@ def test_sampling_params_from_the_options():
     import argparse
 
     args = argparse.Namespace(warmup=2, steps=6, profile_steps=0, cprofile=0, temperature=0.7,
-                              top_p=0.9, top_k=20)  # fmt: skip
+                              top_p=0.9, top_k=20, modes="ar,magicdec")  # fmt: skip
     with scripts_imported("bench_floor") as (bf,):
         sampled = bf.sampling_params(args)
         greedy = bf.sampling_params(argparse.Namespace(**{**vars(args), "temperature": 0.0}))
     assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 20)
     assert sampled.seed == 0 and sampled.ignore_eos and greedy.temperature == 0.0
     assert sampled.max_tokens == greedy.max_tokens == bf.new_tokens(args)
+    # requests outlast the run at the largest draft length of its modes, every draft accepted:
+    # 8 plans of 4 rounds of gamma + 1 tokens, and a verification of d_max
+    assert bf.new_tokens(args) == 8 * 4 * 6 + 16 + 2
+    wide = argparse.Namespace(**{**vars(args), "modes": "ar,magicdec/g3,aspire_fixed/g7+d32"})
+    assert bf.new_tokens(wide) == 8 * 4 * 8 + 32 + 2
