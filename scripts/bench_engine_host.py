@@ -11,7 +11,8 @@ plan's launch besides the worker (docs/benchmarks.md §8.30).
 3. Incremental detokenizing of a plan's outputs (64 requests x 8 new tokens), where the
    model's tokenizer is installed (the engine's step loop did it before session 23).
 
-    cd scripts && python bench_engine_host.py --traces ../docs/traces_h200_qwen05b_32k_s19.json \\
+    cd scripts && python bench_engine_host.py \\
+        --traces ../docs/traces_h200_qwen05b_32k_s19.json.gz \\
         --costs ../docs/bench_decode_h200_qwen05b_32k_s19.json \\
         --out ../docs/bench_engine_host_cpu_s23.json
 """

@@ -47,7 +47,7 @@ from bench_decode import (
     prefill_batch,
     summarize,
 )
-from traces import Traces, policy_of
+from traces import Traces, policy_of, read_json
 
 from aspire_ray import SamplingParams
 from aspire_ray.config import SpecConfig
@@ -382,8 +382,7 @@ def _committed(engine, finished: dict) -> int:
 def load_costs(path: str, mode: str, meta: dict) -> StepCosts:
     """Step costs for simulating ``mode`` from a JSON file (module docstring); for files that
     hold several modes, ``mode``'s own measurement."""
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     if "b_model" in data:  # coefficients, or an engine's stats()["cost_model"]
         return StepCosts(data["b_model"], data["b_tok"], data["b_kv"],
                          data.get("chain_b_model"), data.get("host_per_plan", 0.0), path)
@@ -575,8 +574,7 @@ def _policy(spec_mode: str, meta: dict) -> DraftPolicy:
 # ---- measured runs to compare with ----------------------------------------------------------
 def measured_runs(path: str) -> dict[tuple[str, int | None], dict]:
     """(mode, gamma) -> a measured bench_decode result (a bench JSON or a trace file)."""
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     default = (data.get("args") or {}).get("gamma") or SpecConfig().gamma
     if "modes" in data:
         items = list(data["modes"].items())

@@ -422,3 +422,19 @@ def test_early_steps_dropped_cost_their_time(mods):
     ex.execute(plan(3, 3, 5))  # breaks the promise of 5: the 4 started steps dropped
     assert ex.early_steps_dropped == 4
     assert ex.worker_s == pytest.approx(3 * one_run + 4 * one_run / 8)
+
+
+def test_trace_files_may_be_gzipped(mods, recorded, tmp_path):
+    # the trace files in docs/ are .json.gz (a GPU call carries the work tree in 64 MiB):
+    # saved and loaded by name, the same traces, and the simulator's JSON readers take them
+    tr = mods["traces"]
+    _, traces = recorded
+    path = tmp_path / "traces.json.gz"
+    traces.save(str(path))
+    with open(path, "rb") as f:
+        assert f.read(2) == b"\x1f\x8b"  # gzip's magic
+    again = tr.Traces.load(str(path))
+    assert (again.meta, again.modes, again.requests) == (traces.meta, traces.modes,
+                                                         traces.requests)  # fmt: skip
+    assert mods["simulate"].measured_runs(str(path)).keys() == \
+        mods["simulate"].measured_runs(str(recorded[0])).keys()  # fmt: skip
