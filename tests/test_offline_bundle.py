@@ -104,3 +104,21 @@ def test_a_flashinfer_only_bundle_downloads_its_wheels_alone(tmp_path, monkeypat
                                       "--flashinfer-only", "--model", ALIAS])
     with pytest.raises(SystemExit):
         bundle.main()
+
+
+def test_carry_size_says_when_a_call_would_not_hold_the_payload(tmp_path):
+    # a GPU call carries the tracked work tree and the paths named, 64 MiB in all: the
+    # check to run before staging (gpu_runs.sh carry-size)
+    script = SCRIPTS / "gpu_runs.sh"
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.write_bytes(b"x" * 1024)
+    with open(big, "wb") as f:
+        f.truncate(70 << 20)  # 70 MiB of zeros
+
+    def say(*paths):
+        return subprocess.run(["bash", str(script), "carry-size", *map(str, paths)],
+                              cwd=SCRIPTS.parent, capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+    assert "of 64\n" in say(small) and "TOO BIG" not in say(small)
+    assert say(big).rstrip().endswith("TOO BIG")
