@@ -38,6 +38,17 @@ def _case(seed: int):
     return n, qo, t, logits, q_store, chain
 
 
+def _row_tensors() -> tuple[torch.Tensor, ...]:
+    """ROWS' per-row tensors: temperature, top_k, top_p (each row's own), sampled, verify,
+    held, x_pos."""
+    return (torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8]), torch.tensor([0, 12, 0, 0, 0, 5]),
+            torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0]),
+            torch.tensor([s for _, s, _, _ in ROWS]),
+            torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS]),
+            torch.tensor([h for _, _, h, _ in ROWS]),
+            torch.tensor([x for _, _, _, x in ROWS]))  # fmt: skip
+
+
 def test_choices_are_rejection_sampling():
     outcomes = set()
     temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
@@ -88,12 +99,7 @@ def test_the_kernels_choose_and_keep_as_the_torch_code():
     """The Triton path (the acceptance test and ``race_gathered``, run here by Triton's
     interpreter without a GPU) against the torch code: the same choices and the same q store
     after (on a GPU both from the same probabilities, ``filter_probs``')."""
-    temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
-    top_k, top_p = torch.tensor([0, 12, 0, 0, 0, 5]), torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0])
-    sampled = torch.tensor([s for _, s, _, _ in ROWS])
-    verify = torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS])
-    held = torch.tensor([h for _, _, h, _ in ROWS])
-    x_pos = torch.tensor([x for _, _, _, x in ROWS])
+    temperature, top_k, top_p, sampled, verify, held, x_pos = _row_tensors()
     for case in range(6):
         n, qo, t, logits, q_store, chain = _case(case)
         seed = torch.arange(n, dtype=torch.int64) * 7919 + case
@@ -132,12 +138,7 @@ def test_coupled_choices_are_the_targets_draws():
     verify row's j-th x_pos + 1 + j), from the Triton kernels (the interpreter here) as from
     the torch code; greedy rows keep their argmax; the q store is not touched. The greedy
     acceptance then gives ``verify_coupled_batch``'s tokens."""
-    temperature = torch.tensor([0.9, 0.7, 1.0, 1.3, 1.0, 0.8])
-    top_k, top_p = torch.tensor([0, 12, 0, 0, 0, 5]), torch.tensor([0.95, 1.0, 1.0, 0.9, 1.0, 1.0])
-    sampled = torch.tensor([s for _, s, _, _ in ROWS])
-    verify = torch.tensor([int(kind == "verify") for kind, _, _, _ in ROWS])
-    held = torch.tensor([h for _, _, h, _ in ROWS])
-    x_pos = torch.tensor([x for _, _, _, x in ROWS])
+    temperature, top_k, top_p, sampled, verify, held, x_pos = _row_tensors()
     n, qo, t, logits, q_store, chain = _case(3)
     seed = torch.arange(n, dtype=torch.int64) * 7919 + 3
     argmax = logits.argmax(dim=-1)

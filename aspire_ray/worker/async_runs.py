@@ -158,11 +158,10 @@ def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int]
     held = [len(t.known) - 1 for t in tracks]
     verify = [t.kinds[step] >= 0 for t in tracks]
     parts = []
-    for a, b in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
+    for a, b, run in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
         lo, hi = offsets[a], offsets[b]
         chain = chain_of([t.known[1:] for t in tracks[a:b]], logits.device)
-        choices, new_q = host_choices(logits[lo:hi], argmax[lo:hi],
-                                      [o - lo for o in offsets[a : b + 1]], verify[a:b],
+        choices, new_q = host_choices(logits[lo:hi], argmax[lo:hi], run, verify[a:b],
                                       held[a:b], [t.x_pos for t in tracks[a:b]], chain,
                                       specs[a:b], [t.q for t in tracks[a:b]], coupled)  # fmt: skip
         parts.append(choices)

@@ -22,17 +22,18 @@ _MASK32 = 0xFFFFFFFF
 HOST_SAMPLE_ROWS = 2048
 
 
-def row_runs(offsets: list[int], limit: int) -> list[tuple[int, int]]:
+def row_runs(offsets: list[int], limit: int) -> list[tuple[int, int, list[int]]]:
     """Consecutive rows [a, b) whose logit rows (offsets [n + 1]) number at most ``limit``
-    (a row of more alone), covering every row in order."""
-    runs, start = [], 0
+    (a row of more alone), covering every row in order, each with its rows' offsets from its
+    first logit row (its logits: [offsets[a], offsets[b]))."""
+    bounds, start = [], 0
     for r in range(1, len(offsets)):
         if r - 1 > start and offsets[r] - offsets[start] > limit:
-            runs.append((start, r - 1))
+            bounds.append((start, r - 1))
             start = r - 1
     if len(offsets) > 1:
-        runs.append((start, len(offsets) - 1))
-    return runs
+        bounds.append((start, len(offsets) - 1))
+    return [(a, b, [o - offsets[a] for o in offsets[a : b + 1]]) for a, b in bounds]
 
 
 def i64(xs: list[int], device) -> torch.Tensor:

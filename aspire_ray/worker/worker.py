@@ -628,10 +628,8 @@ class Worker:
         that a large step's sampling distributions and verified q never exist all at once
         (a draw depends only on its row: the same tokens; a run syncs once)."""
         results = []
-        for a, b in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
-            lo = offsets[a]
-            results += self._sample_run(rows[a:b], logits[lo : offsets[b]],
-                                        [o - lo for o in offsets[a : b + 1]])  # fmt: skip
+        for a, b, run in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
+            results += self._sample_run(rows[a:b], logits[offsets[a] : offsets[b]], run)
         return results
 
     def _sample_run(self, rows: list[RowPlan], logits: torch.Tensor,
