@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .host import ragged_arange, upload
+from .interpreter import interpreting
 from .metadata import PagedKVMeta
-from .paged_attention import _num_sms, check_cache, check_meta, check_q, interpreting, mma
+from .paged_attention import _num_sms, check_cache, check_meta, check_q, mma
 
 _LOG2E = 1.4426950408889634
 _MAX_STAGED_ROW_BYTES = 256  # a key row (head_dim x element size) staged in shared memory

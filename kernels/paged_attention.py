@@ -23,9 +23,7 @@ cached on it, so every layer of a step reuses it:
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -45,6 +43,7 @@ from .attention_config import (
 )
 from .device_plan import attention_items, decode_attention_items
 from .host import next_power_of_2, offsets, ragged_arange, upload
+from .interpreter import interpreting
 from .metadata import PagedKVMeta
 from .pdl import launch_options
 from .plan_kernel import fused_planning_fits, plan_into
@@ -52,12 +51,6 @@ from .sdpa_rows import sdpa_row_ids, sdpa_rows
 
 _LOG2E = 1.4426950408889634
 _CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU tests); read once, as triton.jit reads it at import."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

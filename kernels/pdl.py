@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreting
+
 ENV = "ASPIRE_PDL"  # "1": on (where the device allows); unset, "" or "0": off
 
 
@@ -65,8 +67,6 @@ def enabled(device: torch.device) -> bool:
 
 @functools.cache
 def _capable(device: torch.device) -> bool:
-    from .paged_attention import interpreting  # here: paged_attention imports this module
-
     return (device.type == "cuda" and not interpreting()
             and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
 

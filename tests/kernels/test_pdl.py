@@ -19,10 +19,8 @@ CUDA90 = torch.device("cuda", 0)  # a device name only: no GPU is touched where 
 @pytest.fixture
 def hopper(monkeypatch):
     """The device checks as on an H100 / H200, outside the interpreter."""
-    from aspire_ray.kernels import paged_attention
-
     pdl._capable.cache_clear()
-    monkeypatch.setattr(paged_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     yield
     pdl._capable.cache_clear()
@@ -52,10 +50,8 @@ def test_never_before_compute_capability_9(monkeypatch, hopper):
 
 def test_never_under_the_interpreter(monkeypatch):
     # this process: the interpreter on a CPU test host (conftest), on a GPU host forced on
-    from aspire_ray.kernels import paged_attention
-
     pdl._capable.cache_clear()
-    monkeypatch.setattr(paged_attention, "interpreting", lambda: True)
+    monkeypatch.setattr(pdl, "interpreting", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv(pdl.ENV, "1")
     try:
