@@ -177,9 +177,10 @@ def test_a_capture_out_of_memory_is_an_error_not_an_eager_engine(tiny_model_dir,
 
 
 def test_the_host_samples_a_large_step_in_runs(tiny_model, monkeypatch):
-    # Worker._sample holds the probabilities and verified q of HOST_SAMPLE_ROWS logit rows at
-    # a time: the eager step of 136 logit rows (8 verify rows of 17) holds less when a run
-    # holds 34 of them (2 verify rows): 102 rows' probabilities and 96 drafts' q less
+    # Worker._sample holds the logits, probabilities and verified q of HOST_SAMPLE_ROWS logit
+    # rows at a time (``Worker.logit_runs``): the eager step of 136 logit rows (8 verify rows
+    # of 17) holds less when a run holds 34 of them (2 verify rows): 102 rows' logits and
+    # probabilities and 96 drafts' q less
     def peak() -> int:
         return LiveBytes().peak_of(lambda: kv_budget.run_step(tiny_model, 136, 136, 17, False))
 
@@ -187,4 +188,4 @@ def test_the_host_samples_a_large_step_in_runs(tiny_model, monkeypatch):
     monkeypatch.setattr(kv_budget.sampler, "HOST_SAMPLE_ROWS", 34)
     runs = peak()
     row = tiny_model.arch.vocab_size * 4
-    assert runs <= whole - (102 + 96) * row, (runs, whole)
+    assert runs <= whole - (2 * 102 + 96) * row, (runs, whole)

@@ -252,20 +252,32 @@ def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_
     ``async_runs._host_choices``) in runs of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows,
     so that a step's sampling distributions and verified q never exist all at once: the same
     seeded tokens with runs of 5 as with one run a step (a verify row of more than 5 runs
-    alone)."""
+    alone). The float32 logits too are made a run at a time (``Worker.logit_runs``): no
+    [rows, V] of more than a run's rows, where the one-run engine made larger ones."""
     from aspire_ray.worker import async_runs
 
     model_dir = tiny_model_dir("llama")
     prompts = random_prompts(4, [20, 60], 256, seed=12)
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=50 + i,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
-    whole = _generate(_engine(model_dir, mode, gamma_init=4), prompts, params)
-    monkeypatch.setattr(sampler, "HOST_SAMPLE_ROWS", 5)
-    engine = _engine(model_dir, mode, gamma_init=4)
-    worker, runs, steps = engine.executor.worker, [], []
 
     def counted(fn, into):
         return lambda *a, **kw: into.append(1) or fn(*a, **kw)
+
+    def logit_rows(engine) -> list[int]:  # the rows of every float32 logits the worker makes
+        model, rows = engine.executor.worker.model, []
+        made = model.compute_logits
+        model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or made(hidden)
+        return rows
+
+    first = _engine(model_dir, mode, gamma_init=4)
+    rows_whole = logit_rows(first)
+    whole = _generate(first, prompts, params)
+    monkeypatch.setattr(sampler, "HOST_SAMPLE_ROWS", 5)
+    engine = _engine(model_dir, mode, gamma_init=4)
+    worker, runs, steps = engine.executor.worker, [], []
+    rows_runs = logit_rows(engine)
+    longest_row = worker.cfg.spec.max_drafts + 1  # a verify row's logits, alone in its run
 
     if mode == "aspire":  # its steps sampled in async_runs
         monkeypatch.setattr(async_runs, "host_choices", counted(async_runs.host_choices, runs))
@@ -275,3 +287,4 @@ def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_
         worker._sample = counted(worker._sample, steps)
     assert _generate(engine, prompts, params) == whole
     assert len(runs) > len(steps) > 0  # steps were cut into runs
+    assert max(rows_runs) <= max(5, longest_row) < max(rows_whole), (rows_runs, rows_whole)

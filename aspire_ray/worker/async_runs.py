@@ -30,7 +30,7 @@ import torch
 
 from aspire_ray.plan import RowKind, RowPlan, RowResult, async_kinds, held_after
 
-from . import rejection_sampler, sampler
+from . import rejection_sampler
 from .device_result import DeviceResult
 from .graph_clock import CLOCK
 from .sampled_rows import chain_of, host_choices
@@ -130,12 +130,9 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
         graphs.started = None
     wait = refresh = 0.0
     for s in range(steps):  # planned on the host, step by step
-        logits, batch, _ = worker._forward([t.step_row(s) for t in tracks])
+        hidden, batch, _ = worker._forward([t.step_row(s) for t in tracks])
         offsets = batch.logit_offsets
-        choices = logits.argmax(dim=-1)
-        if sampled:
-            choices = _host_choices(logits, choices, offsets, tracks, specs, s,
-                                    worker.cfg.spec.coupled_sampling)  # fmt: skip
+        choices = _host_choices(worker, hidden, offsets, tracks, specs, s, sampled)
         t0 = time.perf_counter()
         choices = choices.tolist()
         wait += time.perf_counter() - t0
@@ -147,28 +144,32 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
     return [t.result() for t in tracks], wait, refresh
 
 
-def _host_choices(logits: torch.Tensor, argmax: torch.Tensor, offsets: list[int],
-                  tracks: list[AsyncTrack], specs: list, step: int,
-                  coupled: bool) -> torch.Tensor:  # fmt: skip
-    """A host-planned step's choices (``sampled_rows.host_choices``, the graphs' code over
-    tensors made from the tracks), in runs of rows of at most ``sampler.HOST_SAMPLE_ROWS``
-    logit rows as ``Worker._sample`` takes them (a large step's distributions and q store
-    never all at once; a row's choices depend on its own alone); each sampled draft row's q
-    joins its track, a verification empties it."""
+def _host_choices(worker, hidden: torch.Tensor, offsets: list[int], tracks: list[AsyncTrack],
+                  specs: list, step: int, sampled: bool) -> torch.Tensor:  # fmt: skip
+    """A host-planned step's choices from hidden [N, hidden] at its logit rows, a run of rows
+    at a time (``Worker.logit_runs``: a large step's logits, distributions and q store never
+    all at once; a row's choices depend on its own alone): the argmax, and with sampled rows
+    ``sampled_rows.host_choices`` (the graphs' code over tensors made from the tracks); each
+    sampled draft row's q joins its track, a verification empties it."""
+    coupled = worker.cfg.spec.coupled_sampling
     held = [len(t.known) - 1 for t in tracks]
     verify = [t.kinds[step] >= 0 for t in tracks]
     parts = []
-    for a, b, run in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
-        lo, hi = offsets[a], offsets[b]
+    for a, b, run, logits in worker.logit_runs(hidden, offsets):
+        argmax = logits.argmax(dim=-1)
+        if not sampled:
+            parts.append(argmax)
+            del logits  # before the next run's
+            continue
         chain = chain_of([t.known[1:] for t in tracks[a:b]], logits.device)
-        choices, new_q = host_choices(logits[lo:hi], argmax[lo:hi], run, verify[a:b],
-                                      held[a:b], [t.x_pos for t in tracks[a:b]], chain,
-                                      specs[a:b], [t.q for t in tracks[a:b]], coupled)  # fmt: skip
+        choices, new_q = host_choices(logits, argmax, run, verify[a:b], held[a:b],
+                                      [t.x_pos for t in tracks[a:b]], chain, specs[a:b],
+                                      [t.q for t in tracks[a:b]], coupled)  # fmt: skip
         parts.append(choices)
+        del logits
         for t, spec, v, q in zip(tracks[a:b], specs[a:b], verify[a:b], new_q, strict=True):
             if not spec.greedy and not coupled:
                 t.q = [] if v else t.q + [q]
-    parts.append(argmax[offsets[-1] :])  # no logit row past the last row's, as a rule
     return torch.cat(parts)
 
 

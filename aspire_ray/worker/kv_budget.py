@@ -8,12 +8,13 @@ steps are measured, and their peaks added, because both stay on the device once 
 captured:
 
     eager   the largest step the host plans (prefill chunks; decode steps that no graph
-            holds): the forward over max_num_batched_tokens tokens, the float32 logits of its
-            most logit rows, min(max_num_batched_tokens, max_num_seqs * max_q) (every query of
-            a verify row has logits), and a sampled step's choices from them, a run of at most
-            ``sampler.HOST_SAMPLE_ROWS`` logit rows at a time: the top-k / top-p
-            probabilities (float32 [rows, V]) and speculative rejection sampling of rows of
-            max_q queries, their drafts' q stacked (float32 [drafts, V]). What it frees the
+            holds): the forward over max_num_batched_tokens tokens, the final hidden states of
+            its most logit rows, min(max_num_batched_tokens, max_num_seqs * max_q) (every
+            query of a verify row has logits), and its choices from them, a run of at most
+            ``sampler.HOST_SAMPLE_ROWS`` logit rows at a time (``Worker.logit_runs``): their
+            float32 logits, the top-k / top-p probabilities (float32 [rows, V]) and
+            speculative rejection sampling of rows of max_q queries, their drafts' q stacked
+            (float32 [drafts, V]). What it frees the
             allocator keeps cached for the next eager step, and a graph's capture cannot take
             that cache (each capture's eager run leaves its own peak there too).
     graph   the largest captured step, sampled: ``graph_rows`` tokens, each with logits (an
@@ -23,9 +24,9 @@ captured:
 
 At Qwen2.5's vocabulary (151,936) a row of float32 logits or probabilities is 0.6 MB: with
 max_num_seqs 1024 and max_num_batched_tokens 16384 the eager step of an ``aspire`` batch
-(16,384 logit rows) takes ~14 GB (10 GB of logits, then 2,048 rows' probabilities and 1,920
-drafts' q at a time; ~31 GB when all of them were sampled at once), the graph step (1,024
-rows) ~0.9 GB. An asynchronous run's step planned on the host (``async_runs``) samples in the
+(16,384 logit rows) takes ~4 GB (2,048 rows' logits and probabilities and 1,920 drafts' q at
+a time; ~31 GB when all of them were sampled at once, ~14 GB while the step's 10 GB of logits
+were made whole), the graph step (1,024 rows) ~0.9 GB. An asynchronous run's step planned on the host (``async_runs``) samples in the
 same runs; its q store of a run's rows, [max_q, rows, V], is about the stacked q counted
 here. The attention's scratch
 is not measured (its output is; the fixed plans' split-KV partials are made with the graphs,
@@ -85,14 +86,15 @@ def run_step(model, tokens: int, logit_rows: int, max_q: int, graph: bool) -> No
                         lambda i, q, k, v: torch.zeros_like(q))  # fmt: skip
     if graph:
         logits, _ = model.sampling_logits(hidden[:logit_rows])
-    else:  # the step's logit rows gathered (``StepBatch.logit_index``)
-        logits = model.compute_logits(hidden[torch.arange(logit_rows, device=dev)])
+        n = logit_rows
+    else:  # the step's logit rows gathered (``StepBatch.logit_index``), then the host
+        # samples a run of rows at a time (``Worker.logit_runs``): the float32 logits, the
+        # probabilities and the verified drafts' q of at most HOST_SAMPLE_ROWS logit rows
+        n = min(logit_rows, sampler.HOST_SAMPLE_ROWS)
+        rows = hidden[torch.arange(logit_rows, device=dev)]  # [logit_rows, hidden]
+        logits = model.compute_logits(rows[:n])
         logits.argmax(dim=-1)
     del hidden
-    # the host samples a run of rows at a time (``Worker._sample``): the probabilities and the
-    # verified drafts' q of at most HOST_SAMPLE_ROWS logit rows beside all the logits
-    n = logit_rows if graph else min(logit_rows, sampler.HOST_SAMPLE_ROWS)
-    logits = logits[:n]
     temperature = torch.ones(n, dtype=torch.float32, device=dev)
     top_k = torch.full((n,), 50, dtype=torch.int64, device=dev)
     top_p = torch.full((n,), 0.9, dtype=torch.float32, device=dev)

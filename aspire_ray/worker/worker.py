@@ -313,10 +313,10 @@ class Worker:
         steps = max(row.num_steps for row in plan.rows)
         if steps > 1 or plan.rows[0].verify_after is not None:
             return self._execute_chain(plan.step_id, plan.rows, steps, t0, started)
-        logits, batch, t1 = self._forward(plan.rows)
+        hidden, batch, t1 = self._forward(plan.rows)
         self._sync()
         t2 = time.perf_counter()
-        results = self._sample(plan.rows, logits, batch.logit_offsets)
+        results = self._sample(plan.rows, hidden, batch.logit_offsets)
         self._sync()
         t3 = time.perf_counter()
         timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
@@ -324,10 +324,12 @@ class Worker:
         return StepOutput(plan.step_id, results, timings)
 
     def _forward(self, rows: list[RowPlan], device_tokens=None, shift: int = 0):
-        """Plan the step and enqueue its forward (no device sync) -> (logits [N, V] float32,
-        the StepBatch, the time planning ended). device_tokens: (index, ids), int64 tensors on
-        the device, input tokens the host does not know yet (a draft chain: tokens[index] =
-        ids); shift: added to the rows' start_pos (step ``shift`` of a draft chain)."""
+        """Plan the step and enqueue its forward (no device sync) -> (the final hidden states
+        at its N logit rows [N, hidden], the StepBatch, the time planning ended); the float32
+        logits are made from them a run of rows at a time (``logit_runs``). device_tokens:
+        (index, ids), int64 tensors on the device, input tokens the host does not know yet (a
+        draft chain: tokens[index] = ids); shift: added to the rows' start_pos (step ``shift``
+        of a draft chain)."""
         num_tokens = sum(row.num_tokens for row in rows)
         bucket = self.graphs.bucket(num_tokens) if self.graphs is not None else None
         # captures come first: they overwrite the bucket's inputs
@@ -350,7 +352,18 @@ class Worker:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attention,
                                 self.kv_caches)  # fmt: skip
-        return self.model.compute_logits(hidden[batch.logit_index]), batch, t1
+        return hidden[batch.logit_index], batch, t1
+
+    def logit_runs(self, hidden: torch.Tensor, offsets: list[int]):
+        """A step's float32 logits in runs of whole rows (``sampler.row_runs``): yields (a, b,
+        the run's offsets from its first logit row, its logits [offsets[b] - offsets[a], V])
+        from hidden [N, hidden] at the step's logit rows (offsets [n + 1]). A large step's
+        [N, V] never exists whole (10 GB at 16,384 rows x Qwen2.5's 152k vocabulary; a run
+        is 1.2 GB): each run's logits are made as it is sampled, and dropped before the next
+        (the caller deletes its reference). Each rank of a tensor-parallel group runs the
+        same runs (the LM head gathers the vocabulary)."""
+        for a, b, run in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
+            yield a, b, run, self.model.compute_logits(hidden[offsets[a] : offsets[b]])
 
     def _execute_chain(self, step_id: int, rows: list[RowPlan], steps: int, t0: float,
                        started: StartedRound | StartedChain | None = None,
@@ -407,9 +420,10 @@ class Worker:
             first = torch.arange(len(rows), device=self.device)  # a draft row's input token
             tokens, drafts = None, []
             for s in range(steps):
-                logits, batch, _ = self._forward(
+                hidden, batch, _ = self._forward(
                     rows, None if tokens is None else (first, tokens), shift=s)
-                tokens = self._chain_tokens(rows, logits, s)  # [R], in row order
+                # one logit row per row: at most max_num_seqs rows, whole
+                tokens = self._chain_tokens(rows, self.model.compute_logits(hidden), s)  # [R]
                 drafts.append(tokens)
                 refresh += batch.attention.refresh_seconds
         out = torch.stack(drafts, dim=1).flatten()  # [R * steps], row-major
@@ -418,11 +432,9 @@ class Worker:
             at = np.repeat(offsets(known + steps)[:-1] + known, steps) + \
                 np.tile(np.arange(steps), len(rows))  # fmt: skip
             vrows = [row.verify_row([0] * steps) for row in rows]
-            logits, batch, _ = self._forward(vrows, (upload(at, self.device), out))
-            choices = logits.argmax(dim=-1)
-            if not all(self.requests[row.req_id].sampling.greedy for row in rows):
-                choices = self._round_choices(rows, vrows, out.view(len(rows), steps), logits,
-                                              choices, batch.logit_offsets)  # fmt: skip
+            hidden, batch, _ = self._forward(vrows, (upload(at, self.device), out))
+            choices = self._round_choices(rows, vrows, out.view(len(rows), steps), hidden,
+                                          batch.logit_offsets)  # fmt: skip
             out = torch.cat([out, choices])
             refresh += batch.attention.refresh_seconds
         t1 = time.perf_counter()
@@ -441,13 +453,19 @@ class Worker:
         return results, refresh, wait
 
     def _round_choices(self, rows: list[RowPlan], vrows: list[RowPlan], drafts: torch.Tensor,
-                       logits: torch.Tensor, argmax: torch.Tensor,
-                       offsets: list[int]) -> torch.Tensor:  # fmt: skip
-        """The choices of a round's verify rows with sampled requests among them
-        (``sampled_rows.host_choices``): drafts int64 [R, steps] the chain's, after each row's
+                       hidden: torch.Tensor, offsets: list[int]) -> torch.Tensor:  # fmt: skip
+        """The choices of a round's verify rows (hidden [N, hidden] at their logit rows,
+        ``logit_runs``): the argmax, and where sampled requests are among them
+        ``sampled_rows.host_choices``: drafts int64 [R, steps] the chain's, after each row's
         drafts held before it; the q of all of them in ``draft_probs``, which the verification
         empties."""
         reqs = [self.requests[row.req_id] for row in rows]
+        if all(req.sampling.greedy for req in reqs):
+            parts = []
+            for *_, logits in self.logit_runs(hidden, offsets):
+                parts.append(logits.argmax(dim=-1))
+                del logits  # before the next run's
+            return torch.cat(parts)
         held = [row.num_drafts for row in vrows]
         # the drafts held before the chain (host), then the chain's (device) after them
         chain = chain_of([row.verify_after[1:] for row in rows], self.device)
@@ -455,14 +473,19 @@ class Worker:
         at = upload(known[None, :] + np.arange(drafts.shape[1])[:, None], self.device)
         chain = torch.cat([chain, chain.new_zeros(drafts.shape[1], len(rows))]).scatter_(
             0, at, drafts.T.contiguous())  # [D, R]
-        choices, _ = host_choices(logits, argmax, offsets, [True] * len(rows), held,
-                                  [row.start_pos for row in vrows], chain,
-                                  [req.sampling for req in reqs],
-                                  [req.draft_probs[: h] for req, h in zip(reqs, held, strict=True)],
-                                  coupled=self.cfg.spec.coupled_sampling)  # fmt: skip
+        parts = []
+        for a, b, run, logits in self.logit_runs(hidden, offsets):
+            choices, _ = host_choices(
+                logits, logits.argmax(dim=-1), run, [True] * (b - a), held[a:b],
+                [row.start_pos for row in vrows[a:b]], chain[:, a:b],
+                [req.sampling for req in reqs[a:b]],
+                [req.draft_probs[:h] for req, h in zip(reqs[a:b], held[a:b], strict=True)],
+                coupled=self.cfg.spec.coupled_sampling)  # fmt: skip
+            parts.append(choices)
+            del logits
         for req in reqs:
             req.draft_probs.clear()
-        return choices
+        return torch.cat(parts)
 
     def _chain_tokens(self, rows: list[RowPlan], logits: torch.Tensor, shift: int) -> torch.Tensor:
         """Step ``shift`` of a chain: each row's token (logits [R, V], one per row) on the
@@ -621,15 +644,17 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     # ---- sampling and verification -----------------------------------------------------------
-    def _sample(self, rows: list[RowPlan], logits: torch.Tensor,
+    def _sample(self, rows: list[RowPlan], hidden: torch.Tensor,
                 offsets: list[int]) -> list[RowResult]:
-        """Each row's result from the step's logits [N, V] (offsets [n + 1]: each row's
-        logit rows), in runs of rows of at most ``sampler.HOST_SAMPLE_ROWS`` logit rows so
-        that a large step's sampling distributions and verified q never exist all at once
-        (a draw depends only on its row: the same tokens; a run syncs once)."""
+        """Each row's result from the step's hidden states at its logit rows [N, hidden]
+        (offsets [n + 1]: each row's logit rows), in runs of rows of at most
+        ``sampler.HOST_SAMPLE_ROWS`` logit rows (``logit_runs``) so that a large step's
+        logits, sampling distributions and verified q never exist all at once (a draw
+        depends only on its row: the same tokens; a run syncs once)."""
         results = []
-        for a, b, run in sampler.row_runs(offsets, sampler.HOST_SAMPLE_ROWS):
-            results += self._sample_run(rows[a:b], logits[offsets[a] : offsets[b]], run)
+        for a, b, run, logits in self.logit_runs(hidden, offsets):
+            results += self._sample_run(rows[a:b], logits, run)
+            del logits  # before the next run's
         return results
 
     def _sample_run(self, rows: list[RowPlan], logits: torch.Tensor,
