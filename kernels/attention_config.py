@@ -42,6 +42,12 @@ class AttentionConfig:
     # the split-KV merge: heads per program (None: 256 // head_dim) and splits loaded at once
     merge_head_block: int | None = None
     merge_split_block: int = 16
+    # The split-KV merge folded into the attention launch (issue 14): the last of a query
+    # tile's split programs to finish (a per-tile arrival counter, ``paged_attention``'s
+    # ``_merge_tile``) merges the tile's partials, so a layer makes one launch fewer. A small
+    # model's decode step spends ~4 us a layer of ~115 on the merge launch (SmolLM2-135M).
+    # Off until timed on a GPU: the merging programs run after the others, a tail of their own.
+    fused_merge: bool = False
     # a plan's launches of different query tiles (a mixed step's draft rows and verify rows)
     # run on their own CUDA streams, side by side: one after another, the draft rows' short
     # launch leaves most SMs idle while it drains (docs/benchmarks.md §8.23)
@@ -101,6 +107,8 @@ class AttentionConfig:
             raise ValueError(f"ramp_pages must be >= 0, got {self.ramp_pages}")
         if self.kv_chunk_pages is not None and self.kv_chunk_pages < 1:
             raise ValueError(f"kv_chunk_pages must be >= 1, got {self.kv_chunk_pages}")
+        if not isinstance(self.fused_merge, bool):
+            raise ValueError(f"fused_merge must be a bool, got {self.fused_merge!r}")
         if self.prefill_sdpa not in ("auto", "on", "off"):
             raise ValueError(f"prefill_sdpa must be 'auto', 'on' or 'off', got "
                              f"{self.prefill_sdpa!r}")

@@ -16,7 +16,8 @@ cached on it, so every layer of a step reuses it:
   chunk length a step, chosen so that the step's programs fill whole waves of the programs the
   GPU holds at once (``AttentionConfig.resident_programs``, ``_fit_chunk``) even when few long
   rows are present. Each chunk writes a normalised partial output and its log-sum-exp; a merge
-  kernel combines them.
+  kernel combines them (with ``AttentionConfig.fused_merge``, the last of a query tile's
+  chunk programs to finish does, in the attention launch).
 - Launch grids cover a plan's capacity and programs read the item count on the device, so a
   ``FixedPlan`` (fixed capacities, reloaded each step) lets a CUDA graph capture attention.
 """
@@ -50,6 +51,11 @@ from .plan_kernel import fused_planning_fits, plan_into
 from .sdpa_rows import sdpa_row_ids, sdpa_rows
 
 _LOG2E = 1.4426950408889634
+# Partial elements a fused merge loads at once (split block x query tile x head dim), 16 fp32
+# registers a thread at 4 warps: the merge code sets the whole attention kernel's register
+# count (ptxas -v, sm_90a, SmolLM2's 16-row decode tile: 74 registers without it, 86 with 2
+# splits a load, 89 with 4, 128 with 8).
+_MERGE_TILE = 2048
 _CPU_SMS = 4  # stand-in SM count off the GPU (interpreter runs), small so that tests split
 
 
@@ -69,14 +75,18 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 # mid-serving, so they are not specialised.
 @triton.jit(do_not_specialize=["work_ptr", "count_ptr", "capacity"])
 def _attn_kernel(
-    q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, work_ptr, count_ptr, capacity,
-    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, last_len_ptr,
+    q_ptr, kv_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, counter_ptr, work_ptr, count_ptr,
+    capacity, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, last_len_ptr,
     stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_ot, stride_oh,
     num_q_heads, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_GDC: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_SPLITS: tl.constexpr,
 ):  # fmt: skip
+    # FUSED_MERGE (AttentionConfig.fused_merge): the last split program of a query tile merges
+    # it (``_merge_tile``; counter_ptr: int32 [part_rows * hkv], zero between calls). Off,
+    # counter_ptr is None and the branch compiles away: the kernel as it was without it.
     if USE_GDC:  # kernels/pdl.py: everything read here, the item count too, is the step's data
         tl.extra.cuda.gdc_wait()
     # The grid covers the plan's capacity x kv heads, kv head minor: the step's item count is
@@ -164,6 +174,70 @@ def _attn_kernel(
         p_off = (part_base + split * n_q + tok).to(tl.int64) * num_q_heads + head
         tl.store(opart_ptr + p_off[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
         tl.store(lpart_ptr + p_off, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            # Every planner (_host_plan, device_plan.attention_items, plan_kernel) cuts a split
+            # row's KV at multiples of per * PAGE_SIZE tokens into cdiv(n_pages, per) >= 2
+            # chunks, so n_pages > per and split 0's chunk is whole: the split count needs no
+            # work-list column (n_pages, not kv_len: the planners' own rule, whatever last_len).
+            chunk = tl.where(split == 0, kv_hi, kv_lo // tl.maximum(split, 1))
+            n_splits = tl.cdiv(n_pages * PAGE_SIZE, chunk)
+            # one counter per (split row, query tile, kv head): a split row owns n_q * splits
+            # >= n_q partial rows from part_base, and q_first < n_q
+            counter = counter_ptr + (part_base + q_first) * hkv + kvh
+            # GPU ordering (CUTLASS's split-K semaphore pattern): the barrier puts every
+            # thread's partial stores before the atomic, which one thread issues; its release
+            # (gpu scope, cumulative) orders them before the increment, and the last arriver's
+            # acquire, passed on to its threads by the barrier that broadcasts its result,
+            # makes every program's partials visible to its loads, which read L2 (.cg: L1 is
+            # not coherent across SMs, a line cached there could be stale). The interpreter
+            # runs programs one after another: there the tile's last item merges.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == n_splits - 1:
+                _merge_tile(out_ptr, lse_ptr, opart_ptr, lpart_ptr, part_base, n_splits, n_q,
+                            qo_start, tok, head, row_ok, stride_ot, stride_oh, num_q_heads,
+                            BLOCK_M, HEAD_DIM, MERGE_SPLITS, RETURN_LSE)  # fmt: skip
+                # back to zero for the next call (a CUDA graph's replay too): every split of
+                # the tile has arrived, none touches it again in this launch
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_tile(out_ptr, lse_ptr, opart_ptr, lpart_ptr, part_base, n_splits, n_q, qo_start,
+                tok, head, row_ok, stride_ot, stride_oh, num_q_heads, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                RETURN_LSE: tl.constexpr):  # fmt: skip
+    """``_merge_kernel``'s math over one query tile's rows (tok, head, row_ok: [BLOCK_M]) of a
+    split row: its n_splits partials in split order, SPLIT_BLOCK at a time ([SPLIT_BLOCK,
+    BLOCK_M, HEAD_DIM] float32 loads), so the result does not depend on which program merges."""
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + tl.arange(0, SPLIT_BLOCK)
+        ok = (s < n_splits)[:, None] & row_ok[None, :]  # [SPLIT_BLOCK, BLOCK_M]
+        p_off = (part_base + s[:, None] * n_q + tok[None, :]).to(tl.int64) * num_q_heads
+        p_off += head[None, :]
+        lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(opart_ptr + p_off[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse_s - m_safe[None, :])
+        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real row
+    l_i = tl.where(row_ok, l_i, 1.0)
+    out = acc / l_i[:, None]
+    o_off = (qo_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])  # fmt: skip
+    if RETURN_LSE:
+        l_off = (qo_start + tok).to(tl.int64) * num_q_heads + head
+        tl.store(lse_ptr + l_off, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["merge_ptr", "count_ptr", "capacity"])
@@ -237,6 +311,10 @@ class _Plan:
     part_rows: int  # rows of the partial buffers
     opart: torch.Tensor | None = None  # FixedPlans own their partial buffers
     lpart: torch.Tensor | None = None
+    # fused merge (AttentionConfig.fused_merge): int32 [part_rows * hkv], arrivals per (split
+    # row, query tile, kv head); zeroed once here, each call leaves it zero again provided
+    # every split item of a tile runs (a work list cut at its capacity would leave one short)
+    counters: torch.Tensor | None = None
 
 
 @dataclass
@@ -429,7 +507,10 @@ def _build_plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -
     launches = [_views(dev, start, 6, cap, bm)
                 for start, (_, cap), bm in zip(starts, segments, host.items, strict=False)]
     merge = _views(dev, starts[-1], 4, segments[-1][1]) if host.merge.shape[1] else None
-    return _Plan(launches, merge, host.part_rows)
+    # once a step, not per call: every layer's call reuses the plan and leaves them zero
+    counters = (torch.zeros(host.part_rows * hkv, dtype=torch.int32, device=device)
+                if cfg.fused_merge and merge is not None else None)  # fmt: skip
+    return _Plan(launches, merge, host.part_rows, counters=counters)
 
 
 def _plan(meta: PagedKVMeta, group: int, hkv: int, cfg: AttentionConfig) -> _Plan:
@@ -471,11 +552,15 @@ class FixedPlan:
         merge = _views(self.buffer, self.starts[-1], 4, merge_capacity)
         if share is not None and share.plan.part_rows >= part_rows:
             opart, lpart = share.plan.opart, share.plan.lpart
+            counters = share.plan.counters
         else:
             opart = torch.empty(part_rows, num_q_heads, head_dim, dtype=torch.float32,
                                 device=device)  # fmt: skip
             lpart = torch.empty(part_rows, num_q_heads, dtype=torch.float32, device=device)
-        self.plan = _Plan(launches, merge, opart.shape[0], opart, lpart)
+            # whatever config a call passes may fuse the merge (a few KiB, allocated before
+            # any capture)
+            counters = torch.zeros(part_rows * hkv, dtype=torch.int32, device=device)
+        self.plan = _Plan(launches, merge, opart.shape[0], opart, lpart, counters)
         # the work lists of load_rows / load_decode in one launch (plan_kernel.py) where it
         # computes them exactly; else device_plan's tensor ops
         self.fused_planning = fused_planning_fits(self.config, _num_sms(device), self.block_ms)
@@ -650,23 +735,27 @@ def paged_attention(
         opart = lpart = out  # never written
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     gdc = launch_options(q.device)
+    fused = config.fused_merge and plan.merge is not None  # else the kernel as without it
 
     def launch_attention(launch: _Launch) -> None:
         block_m = launch.block_m
+        merge_splits = max(1, min(config.merge_split_block, _MERGE_TILE // (block_m * d)))
         _attn_kernel[(launch.capacity * hkv,)](
-            q, kv_cache, out, lse, opart, lpart, launch.work, launch.count, launch.capacity,
+            q, kv_cache, out, lse, opart, lpart, plan.counters if fused else None, launch.work,
+            launch.count, launch.capacity,
             meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), out.stride(0), out.stride(1), hq, scale * _LOG2E,
             GROUP=group, HEAD_DIM=d, PAGE_SIZE=meta.page_size, BLOCK_M=block_m,
             BLOCK_N=_block_n(config, block_m, d, q.element_size()), RETURN_LSE=return_lse,
-            DOT_PRECISION=precision, UPCAST=interpreting(),
+            DOT_PRECISION=precision, UPCAST=interpreting(), FUSED_MERGE=fused,
+            MERGE_SPLITS=merge_splits if fused else 1,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **register_cap(config, block_m), **gdc,
         )  # fmt: skip
 
     side_by_side(plan.launches, launch_attention, q.device, config.concurrent_launches)
-    if plan.merge is not None:
+    if plan.merge is not None and not fused:
         # few heads per program: with one long row the merge must still spread over the SMs
         head_block = min(triton.next_power_of_2(hq), config.merge_head_block or max(1, 256 // d))
         merge = plan.merge

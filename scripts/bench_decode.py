@@ -83,6 +83,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "nomid": {"attention_options": {"mid_max_registers": None}},
     # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
+    # split rows merged by their last chunk's program in the attention launch, no merge launch
+    # (AttentionConfig.fused_merge, off by default until timed)
+    "fmerge": {"attention_options": {"fused_merge": True}},
     # every row's logits independent of its step (EngineConfig.deterministic, issue 18)
     "det": {"deterministic": True},
     # tp > 1: the shards replay CUDA graphs with the collectives inside (issue 17)

@@ -28,6 +28,9 @@ from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, paged_attention
 
 VARIANTS = {  # name -> AttentionConfig overrides
     "default": {},
+    # the last split program of a query tile merges it in the attention launch (one launch
+    # fewer a call; off by default until timed: AttentionConfig.fused_merge)
+    "fusedmerge": {"fused_merge": True},
     "chunk8": {"min_chunk_pages": 8},
     "chunk16": {"min_chunk_pages": 16},
     "chunk64": {"min_chunk_pages": 64},

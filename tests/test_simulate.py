@@ -191,6 +191,13 @@ def test_mode_variants(mods):
     assert opts("aspire_fsm/f8+g8") == ("aspire_fsm", {"fsm_min": 8, "fsm_max": 8, "gamma": 8})
     with pytest.raises(SystemExit, match="unknown mode variant 'x5'"):
         opts("aspire/x5")
+    # every variant's attention options are AttentionConfig fields (a typo would only fail
+    # on the GPU host, at the engine's start)
+    from aspire_ray.attention.triton_backend import TritonBackend
+
+    for options in mods["bench_decode"].VARIANTS.values():
+        TritonBackend(**options.get("attention_options", {}))  # raises on an unknown name
+    assert TritonBackend(**opts("magicdec/g8+fmerge")[1]["attention_options"]).config.fused_merge
 
 
 def test_environment_variants(mods, monkeypatch):

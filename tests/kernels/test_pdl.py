@@ -96,7 +96,15 @@ KERNELS = {
         {"lse_ptr": F32, "opart_ptr": F32, "lpart_ptr": F32, "scale_log2": "fp32",
          **dict.fromkeys(ATTN_INTS, I32)},
         dict(GROUP=3, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=64, RETURN_LSE=False,
-             DOT_PRECISION="tf32", UPCAST=False)),
+             DOT_PRECISION="tf32", UPCAST=False, FUSED_MERGE=False, MERGE_SPLITS=1,
+             counter_ptr=None)),
+    # the split-KV merge in the attention launch (AttentionConfig.fused_merge): its counter's
+    # atomic and the merge's loads and stores come after the wait too
+    "paged_attention._attn_kernel:fused-merge": (
+        {"lse_ptr": F32, "opart_ptr": F32, "lpart_ptr": F32, "scale_log2": "fp32",
+         "counter_ptr": I32, **dict.fromkeys(ATTN_INTS, I32)},
+        dict(GROUP=3, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=64, RETURN_LSE=True,
+             DOT_PRECISION="tf32", UPCAST=False, FUSED_MERGE=True, MERGE_SPLITS=2)),
     "paged_attention._merge_kernel": (
         {"lse_ptr": F32, "opart_ptr": F32, "lpart_ptr": F32, "merge_ptr": I32, "count_ptr": I32},
         dict(HEAD_DIM=64, HEAD_BLOCK=4, SPLIT_BLOCK=16, RETURN_LSE=True)),
@@ -131,7 +139,7 @@ def facts(ptx):
 
 out = {}
 for name, (types, constexprs) in json.loads(sys.argv[1]).items():
-    module, kernel = name.split(".")
+    module, kernel = name.split(":")[0].split(".")  # "module.kernel[:variant]"
     fn = getattr(importlib.import_module("aspire_ray.kernels." + module), kernel)
     out[name] = {}
     for gdc in (False, True):
