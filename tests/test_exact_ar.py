@@ -90,3 +90,32 @@ def test_prefill_chunks_through_sdpa_match_transformers(tiny_model_dir, mode):
         pa.sdpa_rows = original
     assert list(got.values()) == expected
     assert len(sdpa_calls) > 10  # chunks of 8+ queries went through SDPA, layer by layer
+
+
+def test_the_merge_inside_the_attention_launch_matches_transformers(tiny_model_dir, monkeypatch):
+    """``AttentionConfig.fused_merge`` through the engine (`aspire`: draft, verify and mixed
+    rows, Triton's interpreter here): chunks of one page split every row of more than one, the
+    merge launch never runs, and the greedy output equals transformers' token for token."""
+    from aspire_ray.kernels import paged_attention as pa
+
+    model_dir = tiny_model_dir("qwen2")
+    prompts = random_prompts(3, [17, 40, 70], vocab=256, seed=4)
+    expected = [hf_greedy(model_dir, p, 12) for p in prompts]
+    cfg = build_engine_config(model_dir, spec_mode="aspire", max_num_batched_tokens=32,
+                              num_pages=200, d_max=4, attention_backend="triton",
+                              calibrate="off",
+                              attention_options={"fused_merge": True, "kv_chunk_pages": 1})
+    engine = LLMEngine(cfg)
+
+    class NoLaunch:  # the separate merge kernel
+        def __getitem__(self, grid):
+            raise AssertionError("the merge kernel was launched")
+
+    monkeypatch.setattr(pa, "_merge_kernel", NoLaunch())
+    built, merged = pa._build_plan, []  # plans with split rows (their counters)
+    monkeypatch.setattr(pa, "_build_plan", lambda *a: (p := built(*a), merged.append(
+        p.counters is not None))[0])  # fmt: skip
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 3
+    got = run_staggered(engine, prompts, params, arrive_every=2)
+    assert list(got.values()) == expected
+    assert sum(merged) > 10  # steps whose rows were split merged in the attention launch
