@@ -254,6 +254,21 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_on_gpu(mode, kw, mo
     assert graphed > 20, "no decode step replayed a graph"
 
 
+@pytest.mark.parametrize("mode", ["ar", "aspire_fixed", "aspire"])
+def test_the_merge_inside_the_attention_launch_gives_the_same_tokens_on_gpu(mode):
+    # AttentionConfig.fused_merge: each query tile's last split program merges it, whichever
+    # finishes last, in the graphs too. fp32: the merge groups its splits otherwise than the
+    # merge launch (2 a load, not 16), ~1e-7 apart, so the tokens stay the same
+    plain = _run(mode, "float32", max_tokens=64)
+    fused = _run(mode, "float32", max_tokens=64, attention_options={"fused_merge": True})
+    worker = _run.last_worker
+    graphed = sum(g.steps for g in (worker.step_graphs, worker.draft_graphs, worker.async_graphs)
+                  if g is not None)  # fmt: skip
+    assert worker.backend.config.fused_merge
+    assert fused == plain
+    assert graphed > 20, "no decode step replayed a graph"
+
+
 def test_graph_clock_times_replays_on_gpu():
     # every replay bracketed on the GPU's clock (the engine's warm-up included, phase
     # "other"): busy and idle add up to the span, the asynchronous runs' phases are named
