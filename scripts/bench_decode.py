@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import random
 import re
@@ -480,7 +481,7 @@ def summarize(mode: str, run: dict, ar_tps: float | None) -> dict:
     hist = {g: gammas.count(g) for g in sorted(set(gammas))}
     return {
         "mode": mode, "tokens_per_s": tps, "decode_seconds": run["seconds"],
-        "tokens": run["tokens"], "speedup_vs_ar": tps / ar_tps if ar_tps else 1.0,
+        "tokens": run["tokens"], "speedup_vs_ar": tps / ar_tps if ar_tps else None,  # no ar run
         "mean_accepted_length": (acc + verifications) / verifications if verifications else 1.0,
         "acceptance_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted, drafted,
@@ -671,7 +672,8 @@ def main() -> None:
             if mode in traces.modes:
                 traces.modes[mode] = dict(s, gamma=llm_gamma(mode, args))
             print(f"ctx={ctx:>6} {mode:>13}: {s['tokens_per_s']:9.1f} tok/s  "
-                  f"x{s['speedup_vs_ar']:.2f}  accepted/verify={s['mean_accepted_length']:.2f} "
+                  f"x{s['speedup_vs_ar'] or math.nan:.2f}  "
+                  f"accepted/verify={s['mean_accepted_length']:.2f} "
                   f"match={s.get('greedy_token_match_vs_ar', '-')}", flush=True)
         if args.out:  # after every context: a run cut short keeps what it measured
             with open(args.out, "w") as f:

@@ -39,8 +39,9 @@ def plot_speedup(report: dict, out: Path) -> Path:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4))
     _grouped_bars(ax, contexts, {
-        mode: [next((r["speedup_vs_ar"] for r in rows if r["mode"] == mode and r["context"] == c),
-                    0) for c in contexts] for mode in modes})
+        mode: [next((r["speedup_vs_ar"] or 0 for r in rows  # None: no ar in the run
+                     if r["mode"] == mode and r["context"] == c), 0) for c in contexts]
+        for mode in modes})
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("context bucket (tokens)")
     ax.set_ylabel("decode tokens/s over ar")

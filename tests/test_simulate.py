@@ -61,6 +61,7 @@ def recorded(mods, tiny_model_dir, tmp_path_factory):
             assert "num_alloc_retries" not in process
             traces.add_run(mode, {}, run["outs"], rec)
             s = bd.summarize(mode, run, None)
+            assert s["speedup_vs_ar"] is None  # no ar run to divide by (not 1.0)
             s.pop("token_ids")
             traces.modes[mode] = dict(s, gamma=GAMMA if mode in mods["simulate"].FIXED else None)
             traces.meta = dict(tr.engine_meta(llm.engine), context=240)
