@@ -124,6 +124,13 @@ class SpecConfig:
     recent_pages: int = 8  # L: most recent pages always in S_i
     keep_sink_page: bool = True  # the first page (attention sink) is always in S_i
     refresh_layer: int | None = None  # l_r; None -> num_layers - 2
+    # The refresh layer while drafting, against the mode's row of MODES (None: the mode's,
+    # DESIGN.md §1.6). False: pages re-chosen at verifications only, as specattn does, so that
+    # `aspire` drafts as cheaply (the full read and rescoring at l_r were ~0.43 ms of an
+    # aspire_fixed/g8 draft step's 2.03 at 32k x 64 on an H200, docs/benchmarks.md §8.50);
+    # True: a scored mode of no refresh with it. For a measurement of what refreshing buys
+    # (bench variants `norefresh`, `refresh`); the modes' meaning is unchanged.
+    draft_refresh: bool | None = None
     gamma: int = 5  # fixed draft length of the synchronized modes
     d_max: int = 16
     gamma_init: int = 3  # drafts before a request's first verification (aspire)
@@ -271,6 +278,11 @@ class SpecConfig:
         _require(0 <= self.async_overlap_steps <= 64,
                  f"async_overlap_steps must be in [0, 64], got {self.async_overlap_steps}")
         _require(self.probe_every >= 1, f"probe_every must be >= 1, got {self.probe_every}")
+        _require(self.draft_refresh in (None, True, False),
+                 f"draft_refresh must be None, True or False, got {self.draft_refresh!r}")
+        _require(not self.draft_refresh or self.mode_spec.page_policy == "topk",
+                 f"draft_refresh needs a mode whose drafts read page scores (topk), got "
+                 f"{self.mode!r} ({self.mode_spec.page_policy!r})")
 
     def sparse_budget(self, num_pages: int) -> int:
         """k_i = max(k_min, ceil(rho * P_i)) pages in S_i (DESIGN.md §1.1); the one formula the
@@ -299,6 +311,8 @@ class SpecConfig:
 
     @property
     def refresh_while_drafting(self) -> bool:
+        if self.draft_refresh is not None:
+            return self.draft_refresh
         return self.mode_spec.refresh_while_drafting
 
     @property

@@ -87,6 +87,10 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # split rows merged by their last chunk's program in the attention launch, no merge launch
     # (AttentionConfig.fused_merge, off by default until timed)
     "fmerge": {"attention_options": {"fused_merge": True}},
+    # the refresh layer while drafting off (pages re-chosen at verifications only, as specattn)
+    # or on, against the mode's row (SpecConfig.draft_refresh): "aspire/norefresh"
+    "norefresh": {"draft_refresh": False},
+    "refresh": {"draft_refresh": True},
     # every row's logits independent of its step (EngineConfig.deterministic, issue 18)
     "det": {"deterministic": True},
     # tp > 1: the shards replay CUDA graphs with the collectives inside (issue 17)

@@ -435,7 +435,7 @@ def costs_from_clock(r: dict, meta: dict, source: str) -> StepCosts:
     such runs is an offset on the prior's slopes with r² < 0 (§8.36), 8% under the replays."""
     b, clock = r["breakdown"], r["breakdown"]["gpu_clock"]
     coef, batch = b["cost_model"], int(r.get("batch", 1))
-    policy, ctx = _policy(r["mode"].partition("/")[0], meta), _window_context(r, meta)
+    policy, ctx = _policy(r["mode"], meta), _window_context(r, meta)
     g = max(1, round(r.get("gamma_mean") or 1))
     # a round of each row: g draft steps, then a verification of g + 1 queries
     draft = _rows_features(policy, RowKind.DRAFT, ctx, 0, batch)
@@ -487,7 +487,7 @@ def costs_from_steps(r: dict, results: list[dict], meta: dict, source: str) -> S
         if step - b_model - b_tok * n > 0 and kv > 0:
             b_kv = (step - b_model - b_tok * n) / kv
     spec_mode = r["mode"].partition("/")[0]
-    policy, ctx = _policy(spec_mode, meta), _window_context(r, meta)
+    policy, ctx = _policy(r["mode"], meta), _window_context(r, meta)
     if kinds.get("round"):  # g chained draft steps and a verification of g drafts a round
         g = int(r.get("gamma") or mode_options(r["mode"])[1].get("gamma")
                 or SpecConfig(mode=spec_mode).gamma)  # fmt: skip
@@ -517,12 +517,20 @@ def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
     if not drafts or b["steps"] >= sum(b["step_kinds"].values()) or "round" in b["step_kinds"]:
         return costs
     measured = b["step_seconds"]["draft"] / drafts
-    policy = _policy(r["mode"].partition("/")[0], meta)
+    policy = _policy(r["mode"], meta)
     n, kv = _rows_features(policy, RowKind.DRAFT, _window_context(r, meta), 0,
                            int(r.get("batch", 1)))
     chain_b_model = max(0.0, measured - costs.b_tok * n - costs.b_kv * kv)
     return StepCosts(costs.b_model, costs.b_tok, costs.b_kv, chain_b_model,
                      costs.host_per_plan, costs.source)
+
+
+def _refreshes(mode: str) -> bool:
+    """Whether a bench mode (MODE/VARIANT) runs the refresh layer while drafting: its row of
+    MODES, or the ``norefresh`` / ``refresh`` variant's ``SpecConfig.draft_refresh``."""
+    spec_mode, options = mode_options(mode)
+    spec = SpecConfig(mode=spec_mode, draft_refresh=options.get("draft_refresh"))
+    return spec.refresh_while_drafting
 
 
 def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCosts:
@@ -535,14 +543,14 @@ def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCost
     args = data["args"]
     layers = DUMMY_SHAPES.get(args.get("dummy_shapes") or "", {}).get("num_hidden_layers")
     meta = dict(meta, num_layers=layers or meta["num_layers"])
-    refresh = SpecConfig(mode=mode.partition("/")[0]).refresh_while_drafting
+    refresh = _refreshes(mode)
     model = CostModel(min_samples=3, min_shapes=3)
     chained, host = [], []
     for r in data["results"]:
         spec_mode = r["mode"].partition("/")[0]
-        if spec_mode != "ar" and SpecConfig(mode=spec_mode).refresh_while_drafting != refresh:
+        if spec_mode != "ar" and _refreshes(r["mode"]) != refresh:
             continue
-        policy = _policy(spec_mode, meta)
+        policy = _policy(r["mode"], meta)
         for s in r["steps"]:
             kind = "draft" if s["kind"] == "draft" else "verify"
             d = s["tokens"] // s["rows"] - 1
@@ -565,8 +573,11 @@ def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCost
                      statistics.median(host) if host else 0.0, source)
 
 
-def _policy(spec_mode: str, meta: dict) -> DraftPolicy:
-    spec = SpecConfig(mode=spec_mode, **meta["spec"])
+def _policy(mode: str, meta: dict) -> DraftPolicy:
+    """The draft policy whose features price a mode's steps (MODE or MODE/VARIANT: a
+    ``norefresh`` draft row reads no full KV at the refresh layer)."""
+    spec_mode, options = mode_options(mode)
+    spec = SpecConfig(mode=spec_mode, draft_refresh=options.get("draft_refresh"), **meta["spec"])
     return DraftPolicy(spec, None, meta["page_size"], meta["num_layers"],
                        meta.get("query_tile_tokens"))
 

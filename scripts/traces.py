@@ -36,8 +36,17 @@ POLICY_OF_MODE = {"magicdec": "window", "specattn": "verify_topk", "aspire_fixed
 
 
 def policy_of(mode: str) -> str | None:
-    """The page policy of a mode (bench_decode's MODE or MODE/nochain); None for ``ar``."""
-    return POLICY_OF_MODE.get(mode.partition("/")[0])
+    """The page policy of a mode (bench_decode's MODE or MODE/VARIANT); None for ``ar``. The
+    variants ``norefresh`` / ``refresh`` (``SpecConfig.draft_refresh``) turn a top-k mode's
+    refresh while drafting off or on: "aspire/norefresh" drafts over specattn's pages."""
+    spec_mode, _, variant = mode.partition("/")
+    policy = POLICY_OF_MODE.get(spec_mode)
+    parts = variant.split("+")
+    if policy == "refresh" and "norefresh" in parts:
+        return "verify_topk"
+    if policy == "verify_topk" and "refresh" in parts:
+        return "refresh"
+    return policy
 
 
 def accept_bits(num_tokens: int, rounds: list[tuple[int, int, int]]) -> str:

@@ -159,3 +159,17 @@ def test_the_comparison_scan_catches_each_form(tmp_path):
         "    pass\n")
     (tmp_path / "config.py").write_text('speculative = mode != "ar"\n')
     assert [f.split(":")[1] for f in mode_name_comparisons(tmp_path)] == ["1", "3", "5", "6"]
+
+
+def test_the_refresh_while_drafting_can_be_switched_against_the_row():
+    # SpecConfig.draft_refresh: None keeps the row's; a top-k mode may turn it off or on; a
+    # mode whose drafts read no scores (magicdec's window, ar) cannot turn it on
+    assert SpecConfig(mode="aspire").refresh_while_drafting
+    assert not SpecConfig(mode="aspire", draft_refresh=False).refresh_while_drafting
+    assert SpecConfig(mode="specattn", draft_refresh=True).refresh_while_drafting
+    assert not SpecConfig(mode="magicdec", draft_refresh=False).refresh_while_drafting
+    for mode in ("magicdec", "ar"):
+        with pytest.raises(ValueError, match="draft_refresh needs a mode whose drafts read"):
+            SpecConfig(mode=mode, draft_refresh=True)
+    with pytest.raises(ValueError, match="draft_refresh must be None, True or False"):
+        SpecConfig(mode="aspire", draft_refresh="no")

@@ -36,6 +36,21 @@ def test_all_modes_match_ar(tiny_model_dir, family):
         assert any("draft" in k for k in drafted), f"{mode} never drafted"
 
 
+@pytest.mark.parametrize("mode, refresh", [("aspire", False), ("aspire_fixed", False),
+                                           ("specattn", True)])  # fmt: skip
+def test_the_refresh_while_drafting_switched_matches_ar(tiny_model_dir, mode, refresh):
+    """``SpecConfig.draft_refresh`` against the mode's row: `aspire` with pages chosen at
+    verifications only (the bench variant ``norefresh``), specattn with the refresh layer;
+    the same tokens as `ar`, and the draft rows' scoring follows the switch."""
+    model_dir = tiny_model_dir("llama")
+    _, expected = _run(model_dir, "ar", num_pages=120)
+    engine, got = _run(model_dir, mode, num_pages=120, draft_refresh=refresh)
+    assert got == expected
+    worker = engine.executor.worker
+    assert worker.cfg.spec.refresh_while_drafting is refresh
+    assert worker.step_resources.refresh_while_drafting is refresh
+
+
 @pytest.mark.parametrize("mode", ["magicdec", "aspire"])
 def test_modes_match_ar_under_preemption(tiny_model_dir, mode):
     model_dir = tiny_model_dir("llama")

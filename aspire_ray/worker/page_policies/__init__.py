@@ -31,7 +31,7 @@ def make_selector(cfg: SpecConfig) -> PageSelector | None:
         raise ValueError(f"page_policy must be one of {tuple(PAGE_POLICIES)} or 'none', "
                          f"got {spec.page_policy!r} (spec mode {cfg.mode!r})")
     policy = PAGE_POLICIES[spec.page_policy]
-    if spec.refresh_while_drafting and not policy.uses_scores:
+    if cfg.refresh_while_drafting and not policy.uses_scores:  # the mode's, or draft_refresh
         raise ValueError(f"spec mode {cfg.mode!r} refreshes page scores while drafting, but "
                          f"its page policy {spec.page_policy!r} reads no scores")
     return policy(cfg)
