@@ -102,21 +102,23 @@ def test_sampled_requests_run_asynchronously(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_async_graphs_run_as_planned_steps(tiny_model_dir):
+@pytest.mark.parametrize("refresh", [True, False], ids=["refresh", "norefresh"])
+def test_async_graphs_run_as_planned_steps(tiny_model_dir, refresh):
     # aspire: top-k pages chosen from scores; every row rescores at the refresh layer (draft
     # rows from their query, verify rows from their first and last); ragged rows' attention
-    # work planned on the device
+    # work planned on the device. norefresh (SpecConfig.draft_refresh False): the refresh
+    # layer over the step's own lists, verify rows alone rescoring
     model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
     # ... with no run started early (a started run that is dropped leaves its page scores
     # behind, and later drafts may differ; the tokens do not: the test below)
-    planned = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
-                      async_overlap_steps=0)  # fmt: skip
+    opts = dict(async_steps=6, attention_backend="triton", async_overlap_steps=0,
+                draft_refresh=refresh)  # fmt: skip
+    planned = _engine(model_dir, "aspire", **opts)
     use_eager_graphs(planned, draft_graphs=False)
     on_host = _recording(planned.executor.worker)
     # short outputs (the interpreter): still 34 steps on the graphs, 42 segments compared
     expected = _greedy(planned, max_tokens=7)
-    engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
-                     async_overlap_steps=0)  # fmt: skip
+    engine = _engine(model_dir, "aspire", **opts)
     w = use_eager_graphs(engine)
     on_graphs = _recording(w)
     assert _greedy(engine, max_tokens=7) == expected

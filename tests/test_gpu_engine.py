@@ -65,6 +65,19 @@ def test_cuda_graphs_equal_eager(mode):
     assert whole_steps > 20, "decode steps did not replay the whole-step graphs"
 
 
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fixed"])
+def test_drafts_without_the_refresh_layer_on_gpu(mode):
+    # SpecConfig.draft_refresh False (bench variant norefresh): pages re-chosen at
+    # verifications only; aspire's asynchronous graphs then rescore verify rows alone, the
+    # rounds' graphs as specattn's. fp32: the graphs' tokens are eager's and ar's
+    graphed = _run(mode, "float32", draft_refresh=False)
+    worker = _run.last_worker
+    steps = worker.async_graphs.steps if mode == "aspire" else worker.draft_graphs.steps
+    assert not worker.cfg.spec.refresh_while_drafting and steps > 20
+    assert graphed == _run(mode, "float32", draft_refresh=False, cuda_graphs=False)
+    assert graphed == _run("ar", "float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_mode_vs_ar_on_gpu(dtype):
     expected = _run("ar", dtype)

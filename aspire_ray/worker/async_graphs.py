@@ -14,10 +14,12 @@ step, its planning included:
              work of rows of ragged queries (``FixedPlan.load_rows``; every verify row in one
              launch of the widest query tile, draft rows in another); the tokens and lists
              are ``step_rows.plan_rows``, one launch on a GPU
-    l_r      with a scored policy (refresh while drafting): every row attends to all its
+    l_r      with a scored policy refreshing while drafting: every row attends to all its
              pages and rescores them (draft rows from their query, verify rows from their
              first and last); draft rows' middles are re-chosen from the new scores for the
-             layers after l_r
+             layers after l_r. Without the refresh (``SpecConfig.draft_refresh`` False, as
+             specattn) l_r reads the step's own lists and only verify rows rescore: their
+             full lists' log-sum-exp is the one scoring needs
     accept   draft rows: the argmax joins their drafts; verify rows: a = the longest prefix
              of drafts equal to the argmax, then x_n = argmax[a] at p + a + 1, no drafts held
              (``step_rows.accept_rows``, one launch on a GPU)
@@ -67,18 +69,22 @@ class AsyncStepGraphs:
     def __init__(self, step_graphs: StepGraphs, selector: PageSelector, refresh_layer: int,
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
                  max_drafts: int, fused_rows: bool = True,
-                 spare: int = SPARE_BYTES, coupled: bool = False) -> None:  # fmt: skip
+                 spare: int = SPARE_BYTES, coupled: bool = False,
+                 refresh: bool = True) -> None:  # fmt: skip
         """selector: the draft page policy; with one that reads scores (scores given) every
         row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
         the most drafts a row holds (a verify row has one query more); fused_rows: rows
         planned and accepted in one launch each (``step_rows``); spare: bytes its q store
         leaves free (``device_memory.RowStore``); coupled: sampled rows draft and verify on
-        one noise (``SpecConfig.coupled_sampling``), no q kept."""
+        one noise (``SpecConfig.coupled_sampling``), no q kept; refresh: with scores, draft
+        rows rescore at the refresh layer too (``SpecConfig.refresh_while_drafting``), else
+        verify rows only."""
         self.fused_rows, self.coupled = fused_rows, coupled
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer = selector, refresh_layer
-        self.scoring = scores is not None
+        self.scoring = scores is not None  # verify rows rescore their pages at l_r
+        self.refresh = self.scoring and refresh  # ... and draft rows too, over every page
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
         self.row_buckets = row_buckets(self.pieces.buckets, max_rows)
@@ -210,7 +216,7 @@ class AsyncStepGraphs:
         capacity = list_capacity(n, table, self._pool_pages)
         rp = plan_rows(dict(slot=slot, flags=flags, gamma=gamma, held=held, x_id=x_id,
                             x_pos=x_pos), chain, table, self._layout(width), ps, t, inputs,
-                       capacity, capacity if self.scoring else 0,
+                       capacity, capacity if self.refresh else 0,
                        fused=self.fused_rows)  # fmt: skip
         qo, last, indptr = rp["qo"], rp["last"], rp["indptr"]
         n_q, pages, end, verify, row_slot, live = rp["rows"]
@@ -228,25 +234,32 @@ class AsyncStepGraphs:
             hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
-            full_plan = self._plan(n, t, full=True)
-            full_plan.load_rows(rp["full_indptr"], last, n_q, ps)
-            full = PagedKVMeta(qo, rp["full_indptr"], rp["full_indices"], last, ps,
-                               fixed_plan=full_plan)  # fmt: skip
+            live_rows, verify_rows = live > 0, verify > 0
+            # the refresh layer: every row over all its pages, or (no refresh while drafting)
+            # the step's own lists, a verify row's being all its pages already
+            lists, scored = meta, live_rows & verify_rows
+            if self.refresh:
+                full_plan = self._plan(n, t, full=True)
+                full_plan.load_rows(rp["full_indptr"], last, n_q, ps)
+                lists = PagedKVMeta(qo, rp["full_indptr"], rp["full_indices"], last, ps,
+                                    fixed_plan=full_plan)  # fmt: skip
+                scored = live_rows
             scale = layers[lr].self_attn.scale
             p = self.pieces
-            out, lse = p.backend.attention(p.q[:t], kv_caches[lr], full, scale, return_lse=True)
+            out, lse = p.backend.attention(p.q[:t], kv_caches[lr], lists, scale, return_lse=True)
             p.attn_out[:t].copy_(out)
             bounds = qo.long()
             first_q, last_q = bounds[:-1].clamp(max=t - 1), (bounds[1:] - 1).clamp(0, t - 1)
-            live_rows, verify_rows = live > 0, verify > 0
             rescore_first_last(p.backend, p.q[:t], lse, kv_caches[lr], scale, table,
                                self.scores, first_q, last_q, inputs[1][first_q] + 1, end,
-                               live_rows, slot, row_slot, self._pool_pages,
+                               scored, slot, row_slot, self._pool_pages,
                                single=~verify_rows, fused=self.fused_rows,
                                tp=p.model.tp)  # fmt: skip
-            post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live_rows), last,
-                               ps, fixed_plan=plan)  # fmt: skip
-            flags.bitwise_or_(live * _SCORED)
+            post = meta  # without the refresh no draft row's scores changed
+            if self.refresh:
+                post = PagedKVMeta(meta.qo_indptr, indptr, self._choose(choice, live_rows),
+                                   last, ps, fixed_plan=plan)  # fmt: skip
+            flags.bitwise_or_(scored.to(flags.dtype) * _SCORED)
             hidden = sg.layers(t, lr + 1, len(layers), post, kv_caches)
         if variant is None:
             argmax = self.model.greedy_tokens(hidden)  # [t]

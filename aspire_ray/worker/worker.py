@@ -182,18 +182,19 @@ class Worker:
 
     def _async_graphs(self) -> AsyncStepGraphs | None:
         """Self-planning graphs of asynchronous runs (``aspire``, ``aspire_fsm``): a page
-        policy that reads scores must refresh while drafting (every row then rescores at the
-        refresh layer), one that does not must not."""
+        policy that reads scores rescores at the refresh layer (every row while refreshing,
+        verify rows only without, ``SpecConfig.draft_refresh``); one that reads none never
+        refreshes."""
         spec = self.cfg.spec
         if self.step_graphs is None or not self.cfg.draft_graphs or not spec.speculative \
                 or spec.synchronized or spec.async_steps == 1 \
-                or self.selector.uses_scores != spec.refresh_while_drafting:  # fmt: skip
+                or (spec.refresh_while_drafting and not self.selector.uses_scores):  # fmt: skip
             return None
         return AsyncStepGraphs(self.step_graphs, self.selector, self.refresh_layer,
                                self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
                                spec.max_drafts, self.cfg.fused_row_planning,
-                               spare=self.store_spare,
-                               coupled=spec.coupled_sampling)  # fmt: skip
+                               spare=self.store_spare, coupled=spec.coupled_sampling,
+                               refresh=spec.refresh_while_drafting)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
