@@ -9,7 +9,15 @@ rows; two launches, one per query tile, as an asynchronous run's step). Per conf
 time per layer (median of graph replays, CUDA events), KV GB/s and its fraction of the copy
 bandwidth measured in the same run.
 
+``--plans``: how the work lists are made. ``host``: planned on the host per step (eager
+steps); ``rows``: a ``FixedPlan.for_rows`` of wide tiles loaded on the device once a step, as
+``aspire``'s asynchronous graphs plan every step (draft-only steps too); ``decode``: a
+``FixedPlan.for_decode`` for rows of one query count, as the rounds' draft and verify graphs.
+A step's rows under ``rows`` against ``decode`` is what a mixed graph pays for its plan.
+
     python scripts/bench_split_kv.py --batch 64 --context 32000 --out split_kv.json
+    python scripts/bench_split_kv.py --q-lens 9 --mixed 8,16 --mixed-q 8 --variants default \
+        --plans decode,rows
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 from bench_kernels import Timer, copy_bandwidth
 
 from aspire_ray.kernels.metadata import PagedKVMeta
-from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, paged_attention
+from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, FixedPlan, paged_attention
 
 VARIANTS = {  # name -> AttentionConfig overrides
     "default": {},
@@ -99,6 +107,39 @@ def graph_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def fixed_plan(kind: str, meta: PagedKVMeta, q_lens: list[int], pages: int, a, cfg):
+    """``--plans``: None for the host plan; else a function that loads a FixedPlan of this
+    kind from the device metadata and returns the metadata that carries it; False where the
+    kind cannot hold these rows (``decode``: rows of one query count)."""
+    if kind == "host":
+        return None
+    if kind not in ("rows", "decode"):
+        raise SystemExit(f"--plans: unknown plan kind {kind!r} (host, rows, decode)")
+    rows, dev = len(q_lens), meta.kv_indptr.device
+    n_q = torch.tensor(q_lens, dtype=torch.int64, device=dev)
+    if kind == "rows":
+        plan = FixedPlan.for_rows(rows, sum(q_lens), max(q_lens), pages, a.q_heads, a.kv_heads,
+                                  a.head_dim, dev, cfg, wide_tiles=True)  # fmt: skip
+
+        def load_plan():
+            plan.load_rows(meta.kv_indptr, meta.kv_last_page_len, n_q, a.page_size)
+    elif len(set(q_lens)) > 1:
+        return False
+    else:
+        plan = FixedPlan.for_decode(rows, pages, a.q_heads, a.kv_heads, a.head_dim, dev, cfg,
+                                    q=q_lens[0])  # fmt: skip
+
+        def load_plan():
+            plan.load_decode(meta.kv_indptr, meta.kv_last_page_len, a.page_size, q_lens[0])
+
+    def load() -> PagedKVMeta:
+        load_plan()
+        return PagedKVMeta(meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                           meta.kv_last_page_len, a.page_size, fixed_plan=plan)
+
+    return load
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=64)
@@ -114,6 +155,7 @@ def main() -> None:
     p.add_argument("--mixed-q", type=int, default=5, help="a mixed step's verify queries")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--plans", default="host", help="comma list of host, rows, decode")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -140,22 +182,28 @@ def main() -> None:
                         device="cuda")  # fmt: skip
         kv_bytes = total * a.page_size * 2 * a.kv_heads * a.head_dim * 2
         q_len, n = max(q_lens), max(n_pages)
-        for name in a.variants.split(","):
+        for name, plan_kind in [(v, k) for v in a.variants.split(",")
+                                for k in a.plans.split(",")]:  # fmt: skip
             cfg = replace(DEFAULT_CONFIG, **VARIANTS[name])
             meta = PagedKVMeta.build(q_lens, pages, [m * a.page_size for m in n_pages],
                                      a.page_size, "cuda")  # fmt: skip
+            load = fixed_plan(plan_kind, meta, q_lens, total, a, cfg)
+            if load is False:
+                continue  # a decode plan holds rows of one query count only
 
-            def step(meta=meta, cfg=cfg, pools=pools, q=q):
+            def step(meta=meta, cfg=cfg, pools=pools, q=q, load=load):
+                if load is not None:
+                    meta = load()  # once a step, as a self-planning graph loads its plan
                 for pool in pools:
                     paged_attention(q, pool, meta, a.head_dim**-0.5, config=cfg)
 
             ms = graph_ms(step, a.reps) / a.layers
             gbps = kv_bytes / ms / 1e6
             results.append({"kind": kind, "q_len": q_len, "pages": n, "variant": name,
-                            "config": asdict(cfg), "us_per_layer": ms * 1e3, "kv_gbps": gbps,
-                            "of_copy": gbps / copy_gbps})  # fmt: skip
-            print(f"{kind:8s} {name:10s} {ms * 1e3:7.1f} us/layer  {gbps:6.0f} GB/s "
-                  f"({gbps / copy_gbps:4.0%} of copy)")  # fmt: skip
+                            "plan": plan_kind, "config": asdict(cfg), "us_per_layer": ms * 1e3,
+                            "kv_gbps": gbps, "of_copy": gbps / copy_gbps})  # fmt: skip
+            print(f"{kind:8s} {name:10s} {plan_kind:6s} {ms * 1e3:7.1f} us/layer  {gbps:6.0f} "
+                  f"GB/s ({gbps / copy_gbps:4.0%} of copy)")  # fmt: skip
         del pools
         torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "batch": a.batch,
