@@ -203,25 +203,26 @@ def _attn_kernel(
 
 
 @triton.jit
-def _merge_tile(out_ptr, lse_ptr, opart_ptr, lpart_ptr, part_base, n_splits, n_q, qo_start,
-                tok, head, row_ok, stride_ot, stride_oh, num_q_heads, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                RETURN_LSE: tl.constexpr):  # fmt: skip
-    """``_merge_kernel``'s math over one query tile's rows (tok, head, row_ok: [BLOCK_M]) of a
-    split row: its n_splits partials in split order, SPLIT_BLOCK at a time ([SPLIT_BLOCK,
-    BLOCK_M, HEAD_DIM] float32 loads), so the result does not depend on which program merges."""
+def _merged(opart_ptr, lpart_ptr, first, stride, head, ok_rows, n_splits, num_q_heads,
+            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+            CACHE: tl.constexpr):  # fmt: skip
+    """Online log-sum-exp merge of n_splits partials for ROWS (partial row, head) lanes:
+    lane i's split s lies at partial row first[i] + s * stride, head head[i] (ok_rows [ROWS]:
+    real lanes). SPLIT_BLOCK splits are loaded at once ([SPLIT_BLOCK, ROWS, HEAD_DIM] float32),
+    in split order, so the result does not depend on which program merges. CACHE: the loads'
+    cache modifier (".cg": L2, for partials other programs of this launch wrote) -> (acc
+    [ROWS, HEAD_DIM], m_i, l_i [ROWS]) in log2 units, l_i 1 on padding lanes."""
     d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for s0 in range(0, n_splits, SPLIT_BLOCK):
         s = s0 + tl.arange(0, SPLIT_BLOCK)
-        ok = (s < n_splits)[:, None] & row_ok[None, :]  # [SPLIT_BLOCK, BLOCK_M]
-        p_off = (part_base + s[:, None] * n_q + tok[None, :]).to(tl.int64) * num_q_heads
-        p_off += head[None, :]
-        lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ok = (s < n_splits)[:, None] & ok_rows[None, :]  # [SPLIT_BLOCK, ROWS]
+        p_off = (first[None, :] + s[:, None] * stride).to(tl.int64) * num_q_heads + head[None, :]
+        lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"), cache_modifier=CACHE)
         o_s = tl.load(opart_ptr + p_off[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                      mask=ok[:, :, None], other=0.0, cache_modifier=CACHE)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(lse_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -229,15 +230,34 @@ def _merge_tile(out_ptr, lse_ptr, opart_ptr, lpart_ptr, part_base, n_splits, n_q
         acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
         l_i = l_i * alpha + tl.sum(w, 0)
         m_i = m_new
-    # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real row
-    l_i = tl.where(row_ok, l_i, 1.0)
-    out = acc / l_i[:, None]
-    o_off = (qo_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])  # fmt: skip
+    # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real lane
+    return acc, m_i, tl.where(ok_rows, l_i, 1.0)
+
+
+@triton.jit
+def _store_merged(out_ptr, lse_ptr, token, head, ok_rows, acc, m_i, l_i, stride_ot, stride_oh,
+                  num_q_heads, HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr):  # fmt: skip
+    """``_merged``'s result into out (and lse, natural log) at token, head: int64 / int [ROWS]."""
+    d = tl.arange(0, HEAD_DIM)
+    o_off = token * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + d[None, :],
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=ok_rows[:, None])
     if RETURN_LSE:
-        l_off = (qo_start + tok).to(tl.int64) * num_q_heads + head
-        tl.store(lse_ptr + l_off, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+        tl.store(lse_ptr + token * num_q_heads + head,
+                 (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=ok_rows)  # fmt: skip
+
+
+@triton.jit
+def _merge_tile(out_ptr, lse_ptr, opart_ptr, lpart_ptr, part_base, n_splits, n_q, qo_start,
+                tok, head, row_ok, stride_ot, stride_oh, num_q_heads, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                RETURN_LSE: tl.constexpr):  # fmt: skip
+    """``_merge_kernel``'s math over one query tile's rows (tok, head, row_ok: [BLOCK_M]) of a
+    split row: its partials split-major from part_base, n_q rows a split, read from L2."""
+    acc, m_i, l_i = _merged(opart_ptr, lpart_ptr, part_base + tok, n_q, head, row_ok, n_splits,
+                            num_q_heads, BLOCK_M, HEAD_DIM, SPLIT_BLOCK, ".cg")  # fmt: skip
+    _store_merged(out_ptr, lse_ptr, (qo_start + tok).to(tl.int64), head, row_ok, acc, m_i, l_i,
+                  stride_ot, stride_oh, num_q_heads, HEAD_DIM, RETURN_LSE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["merge_ptr", "count_ptr", "capacity"])
@@ -260,35 +280,12 @@ def _merge_kernel(
     p_stride = tl.load(merge_ptr + 3 * capacity + pt)
     h = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     h_ok = h < num_q_heads
-    d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([HEAD_BLOCK], tl.float32)
-    acc = tl.zeros([HEAD_BLOCK, HEAD_DIM], tl.float32)
-    for s0 in range(0, n_splits, SPLIT_BLOCK):
-        s = s0 + tl.arange(0, SPLIT_BLOCK)
-        ok = (s < n_splits)[:, None] & h_ok[None, :]  # [SPLIT_BLOCK, HEAD_BLOCK]
-        p_off = (p_first + s[:, None] * p_stride).to(tl.int64) * num_q_heads + h[None, :]
-        lse_s = tl.load(lpart_ptr + p_off, mask=ok, other=float("-inf"))
-        o_s = tl.load(opart_ptr + p_off[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=ok[:, :, None], other=0.0)  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse_s - m_safe[None, :])
-        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
-        l_i = l_i * alpha + tl.sum(w, 0)
-        m_i = m_new
+    acc, m_i, l_i = _merged(opart_ptr, lpart_ptr, p_first + h * 0, p_stride, h, h_ok, n_splits,
+                            num_q_heads, HEAD_BLOCK, HEAD_DIM, SPLIT_BLOCK, "")  # fmt: skip
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    # split 0 starts at KV token 0, which every query sees, so l_i > 0 for every real head
-    l_i = tl.where(h_ok, l_i, 1.0)
-    out = acc / l_i[:, None]
-    o_off = tok * stride_ot + h * stride_oh
-    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None])  # fmt: skip
-    if RETURN_LSE:
-        tl.store(lse_ptr + tok * num_q_heads + h, (m_i + tl.log2(l_i)) * 0.6931471805599453,
-                 mask=h_ok)  # fmt: skip
+    _store_merged(out_ptr, lse_ptr, tok + h * 0, h, h_ok, acc, m_i, l_i, stride_ot, stride_oh,
+                  num_q_heads, HEAD_DIM, RETURN_LSE)  # fmt: skip
 
 
 @dataclass
