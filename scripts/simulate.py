@@ -525,12 +525,16 @@ def _with_chain_cost(costs: StepCosts, r: dict, meta: dict) -> StepCosts:
                      costs.host_per_plan, costs.source)
 
 
-def _refreshes(mode: str) -> bool:
-    """Whether a bench mode (MODE/VARIANT) runs the refresh layer while drafting: its row of
-    MODES, or the ``norefresh`` / ``refresh`` variant's ``SpecConfig.draft_refresh``."""
+def _spec_of(mode: str, **fields) -> SpecConfig:
+    """A bench mode's (MODE/VARIANT) SpecConfig as far as pricing needs it: its row of MODES
+    and the ``norefresh`` / ``refresh`` variant's ``draft_refresh``, with ``fields``."""
     spec_mode, options = mode_options(mode)
-    spec = SpecConfig(mode=spec_mode, draft_refresh=options.get("draft_refresh"))
-    return spec.refresh_while_drafting
+    return SpecConfig(mode=spec_mode, draft_refresh=options.get("draft_refresh"), **fields)
+
+
+def _refreshes(mode: str) -> bool:
+    """Whether a bench mode runs the refresh layer while drafting."""
+    return _spec_of(mode).refresh_while_drafting
 
 
 def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCosts:
@@ -576,9 +580,7 @@ def costs_from_floor(data: dict, meta: dict, source: str, mode: str) -> StepCost
 def _policy(mode: str, meta: dict) -> DraftPolicy:
     """The draft policy whose features price a mode's steps (MODE or MODE/VARIANT: a
     ``norefresh`` draft row reads no full KV at the refresh layer)."""
-    spec_mode, options = mode_options(mode)
-    spec = SpecConfig(mode=spec_mode, draft_refresh=options.get("draft_refresh"), **meta["spec"])
-    return DraftPolicy(spec, None, meta["page_size"], meta["num_layers"],
+    return DraftPolicy(_spec_of(mode, **meta["spec"]), None, meta["page_size"], meta["num_layers"],
                        meta.get("query_tile_tokens"))
 
 

@@ -24,9 +24,10 @@ captured:
 
 At Qwen2.5's vocabulary (151,936) a row of float32 logits or probabilities is 0.6 MB: with
 max_num_seqs 1024 and max_num_batched_tokens 16384 the eager step of an ``aspire`` batch
-(16,384 logit rows) takes ~4 GB (2,048 rows' logits and probabilities and 1,920 drafts' q at
-a time; ~31 GB when all of them were sampled at once, ~14 GB while the step's 10 GB of logits
-were made whole), the graph step (1,024 rows) ~0.9 GB. An asynchronous run's step planned
+(16,384 logit rows) takes ~4 GB by these buffers' sizes (2,048 rows' logits and probabilities
+and 1,920 drafts' q at a time; ~31 GB when all of them were sampled at once, ~14 GB while the
+step's 10 GB of logits were made whole; not yet measured on a GPU), the graph step (1,024
+rows) ~0.9 GB. An asynchronous run's step planned
 on the host (``async_runs``) samples in the same runs; its q store of a run's rows, [max_q,
 rows, V], is about the stacked q counted here. The attention's scratch is not measured (its
 output is; the fixed plans' split-KV partials are made with the graphs, out of the 1 -
