@@ -46,8 +46,12 @@ class AttentionConfig:
     # tile's split programs to finish (a per-tile arrival counter, ``paged_attention``'s
     # ``_merge_tile``) merges the tile's partials, so a layer makes one launch fewer. A small
     # model's decode step spends ~4 us a layer of ~115 on the merge launch (SmolLM2-135M).
-    # Off until timed on a GPU: the merging programs run after the others, a tail of their own.
-    fused_merge: bool = False
+    # On: in one H100 run (random weights at the real shapes, graph replays, docs/benchmarks.md
+    # §8.53) it took SmolLM2's `ar` step at 6.2k x 64 from 4.516 to 4.446 ms, and with PDL
+    # magicdec's draft from 1.276 to 1.162 ms; the GPU tests give `ar`'s tokens in every mode
+    # (tests/test_gpu_engine.py, ``test_the_merge_inside_the_attention_launch_...``).
+    # Its bits are not the separate merge's (~1e-7 apart in fp32): False for that launch.
+    fused_merge: bool = True
     # a plan's launches of different query tiles (a mixed step's draft rows and verify rows)
     # run on their own CUDA streams, side by side: one after another, the draft rows' short
     # launch leaves most SMs idle while it drains (docs/benchmarks.md §8.23)

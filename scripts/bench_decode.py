@@ -85,8 +85,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
     # split rows merged by their last chunk's program in the attention launch, no merge launch
-    # (AttentionConfig.fused_merge, off by default until timed)
+    # (AttentionConfig.fused_merge, on by default since session 40), or in a launch of their own
     "fmerge": {"attention_options": {"fused_merge": True}},
+    "sepmerge": {"attention_options": {"fused_merge": False}},
     # the refresh layer while drafting off (pages re-chosen at verifications only, as specattn)
     # or on, against the mode's row (SpecConfig.draft_refresh): "aspire/norefresh"
     "norefresh": {"draft_refresh": False},

@@ -37,8 +37,9 @@ from aspire_ray.kernels.paged_attention import DEFAULT_CONFIG, FixedPlan, paged_
 VARIANTS = {  # name -> AttentionConfig overrides
     "default": {},
     # the last split program of a query tile merges it in the attention launch (one launch
-    # fewer a call; off by default until timed: AttentionConfig.fused_merge)
+    # fewer a call; AttentionConfig.fused_merge, the default), or a merge launch of its own
     "fusedmerge": {"fused_merge": True},
+    "sepmerge": {"fused_merge": False},
     "chunk8": {"min_chunk_pages": 8},
     "chunk16": {"min_chunk_pages": 16},
     "chunk64": {"min_chunk_pages": 64},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -332,3 +333,20 @@ def test_sampling_params_from_the_options():
     assert bf.new_tokens(args) == 8 * 4 * 6 + 16 + 2
     wide = argparse.Namespace(**{**vars(args), "modes": "ar,magicdec/g3,aspire_fixed/g7+d32"})
     assert bf.new_tokens(wide) == 8 * 4 * 8 + 32 + 2
+
+
+def test_the_gpu_scripts_mode_lists_parse():
+    """Every quoted --modes list of scripts/gpu_runs.sh names modes bench_decode knows, so that a
+    device call (minutes of a scarce budget) does not die at its first mode on a typo."""
+    text = (SCRIPTS / "gpu_runs.sh").read_text()
+    lists = re.findall(r'--modes "([^"$]+)"', text)
+    assert len(lists) >= 2  # floor-shapes' two; the others take $modes
+    with scripts_imported("bench_decode") as (bench,):
+        from aspire_ray.config import MODES
+
+        for modes in lists:
+            for mode in modes.split(","):
+                spec_mode, _ = bench.mode_options(mode)
+                assert spec_mode in MODES, mode
+        with pytest.raises(SystemExit, match="unknown mode variant"):
+            bench.mode_options("ar/pdll")

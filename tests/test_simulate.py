@@ -199,6 +199,8 @@ def test_mode_variants(mods):
     for options in mods["bench_decode"].VARIANTS.values():
         TritonBackend(**options.get("attention_options", {}))  # raises on an unknown name
     assert TritonBackend(**opts("magicdec/g8+fmerge")[1]["attention_options"]).config.fused_merge
+    assert not TritonBackend(
+        **opts("magicdec/g8+sepmerge")[1]["attention_options"]).config.fused_merge
     # the refresh switch: the engine option, and the traces' page policy that follows it
     assert opts("aspire/norefresh") == ("aspire", {"draft_refresh": False})
     policy_of = mods["traces"].policy_of
