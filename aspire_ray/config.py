@@ -127,7 +127,8 @@ class SpecConfig:
     # The refresh layer while drafting, against the mode's row of MODES (None: the mode's,
     # DESIGN.md §1.6). False: pages re-chosen at verifications only, as specattn does, so that
     # `aspire` drafts as cheaply (the full read and rescoring at l_r were ~0.43 ms of an
-    # aspire_fixed/g8 draft step's 2.03 at 32k x 64 on an H200, docs/benchmarks.md §8.50);
+    # aspire_fixed/g8 draft step's 2.03 at 32k x 64 on an H200, docs/benchmarks.md §8.50; on
+    # an H100 at Qwen's shape the draft graph took 1.864 ms without it against 2.389, §8.53);
     # True: a scored mode of no refresh with it. For a measurement of what refreshing buys
     # (bench variants `norefresh`, `refresh`); the modes' meaning is unchanged.
     draft_refresh: bool | None = None
