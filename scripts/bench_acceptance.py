@@ -18,6 +18,7 @@ import time
 from workloads import long_context_prompts
 
 from aspire_ray import LLM, SamplingParams
+from aspire_ray.config import SPEC_MODES
 
 
 def run(mode: str, prompts, args, **overrides) -> dict:
@@ -66,37 +67,40 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--modes", default="magicdec,specattn,aspire_fixed",
+                   help="comma list of the speculative modes to measure, in this order")
     p.add_argument("--refresh-layers", default="29,26,22,15,8",
                    help="refresh layers for the sweep besides the default N-2 ('' to skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in SPEC_MODES or m == "ar"]
+    if unknown or not modes:
+        p.error(f"--modes: {unknown or 'none'} not among {[m for m in SPEC_MODES if m != 'ar']}")
 
     llm = LLM(model=args.model, spec_mode="ar", num_pages=8)
     prompts = long_context_prompts(llm.tokenizer, args.requests, args.context)
     n_layers = llm.engine.info.num_layers
     llm.shutdown()
 
-    results = []
-    for mode in ("magicdec", "specattn", "aspire_fixed"):
-        r = run(mode, prompts, args)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-    sweep = []
-    for layer in filter(None, args.refresh_layers.split(",")):
-        r = run("aspire_fixed", prompts, args, refresh_layer=int(layer))
-        sweep.append(r)
-        print(json.dumps(r), flush=True)
     report = {
         "command": "python scripts/bench_acceptance.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "model": args.model, "num_layers": n_layers, "context": args.context,
         "requests": args.requests, "max_tokens": args.max_tokens, "gamma": args.gamma,
         "machine": platform.processor() or platform.machine(),
-        "modes": results, "refresh_layer_sweep": sweep,
+        "modes": [], "refresh_layer_sweep": [],
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    runs = [(mode, "modes", {}) for mode in modes]
+    runs += [("aspire_fixed", "refresh_layer_sweep", {"refresh_layer": int(layer)})
+             for layer in filter(None, args.refresh_layers.split(","))]
+    for mode, part, overrides in runs:
+        r = run(mode, prompts, args, **overrides)
+        report[part].append(r)
+        print(json.dumps(r), flush=True)
+        if args.out:  # after every policy: a CPU run at 16k takes ~40 minutes a policy
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
