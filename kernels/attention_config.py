@@ -50,7 +50,7 @@ class AttentionConfig:
     # §8.53) it took SmolLM2's `ar` step at 6.2k x 64 from 4.516 to 4.446 ms, and with PDL
     # magicdec's draft from 1.276 to 1.162 ms; the GPU tests give `ar`'s tokens in every mode
     # (tests/test_gpu_engine.py, ``test_the_merge_inside_the_attention_launch_...``).
-    # Its bits are not the separate merge's (~1e-7 apart in fp32): False for that launch.
+    # Its bits are not the separate merge's (~3e-8 apart in fp32 there): False for that launch.
     fused_merge: bool = True
     # a plan's launches of different query tiles (a mixed step's draft rows and verify rows)
     # run on their own CUDA streams, side by side: one after another, the draft rows' short

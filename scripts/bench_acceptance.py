@@ -73,10 +73,11 @@ def main() -> None:
                    help="refresh layers for the sweep besides the default N-2 ('' to skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    speculative = [m for m in SPEC_MODES if m != "ar"]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in SPEC_MODES or m == "ar"]
+    unknown = [m for m in modes if m not in speculative]
     if unknown or not modes:
-        p.error(f"--modes: {unknown or 'none'} not among {[m for m in SPEC_MODES if m != 'ar']}")
+        p.error(f"--modes: {unknown or 'none'} not among {speculative}")
 
     llm = LLM(model=args.model, spec_mode="ar", num_pages=8)
     prompts = long_context_prompts(llm.tokenizer, args.requests, args.context)
