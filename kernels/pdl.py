@@ -7,13 +7,16 @@ while its predecessor still runs; it does what needs nothing of the step first (
 asking L2 for its weight slice) and then waits on the device, ``gdc_wait``
 (griddepcontrol.wait: every grid it depends on complete, their writes visible).
 
-The switch, ``enabled(device)``, is read at each launch: ASPIRE_PDL=1, a CUDA device of
-compute capability >= 9, never under Triton's interpreter. Off, a launch passes USE_GDC=False
-and no ``launch_pdl``: the constexpr branches vanish and the kernels compile as they did
-before. On, USE_GDC=True (a variant of its own: constexprs are in Triton's cache key) and
-``launch_pdl=True``. A CUDA graph keeps the launches of its capture, so an engine's graphs
-keep the setting they were captured under: the benchmarks set it per mode
-(scripts/bench_decode.py ``ENV_VARIANTS``, the ``pdl`` mode suffix).
+The switch, ``enabled(device)``, is read at each launch: on by default on a CUDA device of
+compute capability >= 9 (ASPIRE_PDL=0 turns it off), never under Triton's interpreter; on by
+default since its GPU token tests passed in every mode (ar, aspire_fixed, aspire and the
+deterministic ar, bf16 tokens bit for bit: tests/test_gpu_engine.py, H100, docs/benchmarks.md
+§8.54). Off, a launch passes USE_GDC=False and no ``launch_pdl``: the constexpr branches
+vanish and the kernels compile as they did before. On, USE_GDC=True (a variant of its own:
+constexprs are in Triton's cache key) and ``launch_pdl=True``. A CUDA graph keeps the launches
+of its capture, so an engine's graphs keep the setting they were captured under: the
+benchmarks set it per mode (scripts/bench_decode.py ``ENV_VARIANTS``, the ``nopdl`` and
+``pdl`` mode suffixes).
 
 The rules every kernel keeps with USE_GDC, and why they keep the step ordered:
 1. ``gdc_wait`` before the first load of anything a kernel of the step may write (the
@@ -54,13 +57,13 @@ import triton.language as tl
 
 from .interpreter import interpreting
 
-ENV = "ASPIRE_PDL"  # "1": on (where the device allows); unset, "" or "0": off
+ENV = "ASPIRE_PDL"  # "0": off; unset or anything else: on (where the device allows)
 
 
 def enabled(device: torch.device) -> bool:
     """Whether a kernel launched now on ``device`` takes part (module docstring): read at
     each launch, so that a benchmark can switch it between engines of one process."""
-    if os.environ.get(ENV, "0") in ("", "0"):
+    if os.environ.get(ENV, "1") == "0":
         return False
     return _capable(device)
 

@@ -125,8 +125,10 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 
 ENV_VARIANTS = {  # MODE/VARIANT: MODE's engine built and run under these environment variables
     # (switches read at each kernel launch, not engine options; a mode without the variant runs
-    # with them unset, so "ar,ar/pdl" compares the two in one process)
-    # the decoder layer's Triton kernels with programmatic dependent launch (kernels/pdl.py)
+    # with them unset, so "ar,ar/nopdl" compares the two in one process)
+    # the decoder layer's Triton kernels without / with programmatic dependent launch
+    # (kernels/pdl.py; on by default where the GPU allows)
+    "nopdl": {"ASPIRE_PDL": "0"},
     "pdl": {"ASPIRE_PDL": "1"},
 }
 
@@ -179,8 +181,8 @@ def mode_options(mode: str) -> tuple[str, dict]:
 
 def mode_env(mode: str) -> dict[str, str | None]:
     """A benchmark mode -> the environment its engine is built and run under: every
-    ``ENV_VARIANTS`` variable, set as the variant says where the mode names it ("ar/pdl",
-    "magicdec/g8+pdl"), else None (unset)."""
+    ``ENV_VARIANTS`` variable, set as the variant says where the mode names it ("ar/nopdl",
+    "magicdec/g8+nopdl"), else None (unset: the default)."""
     _, _, variant = mode.partition("/")
     parts = variant.split("+") if variant else []
     env: dict[str, str | None] = {k: None for values in ENV_VARIANTS.values() for k in values}
@@ -273,7 +275,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     """
     engine = llm.engine
     each = params if isinstance(params, list) else [params] * len(prompts)
+    started = time.perf_counter()  # the run's own wall time (prefill, window, the rest)
     ids, finished = prefill_batch(engine, prompts, each, desc)
+    prefill_s = time.perf_counter() - started
     kernels = profile_kernels(engine, profile_steps, finished) \
         if profile_steps and profile_before else None  # fmt: skip
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
@@ -320,7 +324,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     if kernels is not None:
         breakdown["kernels"] = kernels
     return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
-            "breakdown": breakdown}
+            "breakdown": breakdown, "prefill_s": prefill_s,
+            "wall_s": time.perf_counter() - started}
 
 
 def profile_kernels(engine, steps: int, finished: dict, top: int = 60) -> dict:
@@ -638,8 +643,9 @@ def main() -> None:
                                                  args.profile_before))  # fmt: skip
                 per_mode[mode][-1]["domains"] = domains
                 run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
-                print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s",
-                      flush=True)
+                print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s "
+                      f"(start-up {startup_s[mode]:.0f} s, prefill {run['prefill_s']:.0f} s, "
+                      f"run {run['wall_s']:.0f} s)", flush=True)
                 if recorder is not None:
                     recorder.detach()
                     traces.add_run(mode, {}, per_mode[mode][-1]["outs"], recorder)
@@ -651,28 +657,13 @@ def main() -> None:
             del llm
             gc.collect()
             _empty_cache()
-        ar_runs = per_mode.get("ar")
-        ar_tps = statistics.median(r["tokens"] / r["seconds"] for r in ar_runs) if ar_runs \
-            else None
-        summaries = {}
-        for mode in modes:
-            runs = sorted(per_mode[mode], key=lambda r: r["tokens"] / r["seconds"])
-            summaries[mode] = summarize(mode, runs[len(runs) // 2], ar_tps)
-        for mode in modes:
-            # greedy match against `ar` of the same variant where the run has it ("ar/det" for
-            # "aspire/det"), else against plain `ar`; environment variants left out, since they
-            # keep the arithmetic ("ar/pdl" against "ar": the same tokens)
-            variant = "+".join(v for v in mode.partition("/")[2].split("+")
-                               if v not in ENV_VARIANTS)  # fmt: skip
-            ref = summaries.get(f"ar/{variant}" if variant else "ar", summaries.get("ar"))
-            if ref is not None and args.temperature == 0:
-                summaries[mode]["greedy_token_match_vs_ar"] = _match_rate(
-                    summaries[mode]["token_ids"], ref["token_ids"])  # fmt: skip
-        for mode in modes:
-            s = summaries[mode]
-            s.update(context=ctx, batch=len(s["token_ids"]), device=info.device_name,
-                     startup_s=startup_s[mode])  # fmt: skip
-            del s["token_ids"]
+            if args.out and mode != modes[-1]:  # a run cut short keeps the modes it measured
+                done = context_results(per_mode, startup_s, ctx, info.device_name, args)
+                with open(args.out, "w") as f:
+                    json.dump(dict(report, results=report["results"] + done,
+                                   partial=f"context {ctx}: the modes up to {mode}"), f, indent=1)
+        for s in context_results(per_mode, startup_s, ctx, info.device_name, args):
+            mode = s["mode"]
             report["results"].append(s)
             if mode in traces.modes:
                 traces.modes[mode] = dict(s, gamma=llm_gamma(mode, args))
@@ -685,6 +676,37 @@ def main() -> None:
                 json.dump(report, f, indent=1)
         if args.record_traces:
             traces.save(args.record_traces.format(context=ctx))
+
+
+def context_results(per_mode: dict[str, list[dict]], startup_s: dict[str, float], ctx: str,
+                    device_name: str, args) -> list[dict]:
+    """One context's summaries, in mode order, of the modes with runs (``per_mode``: mode ->
+    its runs, the median run summarized): every mode at the end, those measured so far when a
+    partial JSON is written after each mode. Speedups against `ar`'s median where it ran."""
+    done = [m for m, runs in per_mode.items() if runs]
+    ar_runs = per_mode.get("ar")
+    ar_tps = statistics.median(r["tokens"] / r["seconds"] for r in ar_runs) if ar_runs \
+        else None
+    median = {m: sorted(per_mode[m], key=lambda r: r["tokens"] / r["seconds"])[
+        len(per_mode[m]) // 2] for m in done}  # fmt: skip
+    summaries = {m: summarize(m, median[m], ar_tps) for m in done}
+    for mode in done:
+        # greedy match against `ar` of the same variant where the run has it ("ar/det" for
+        # "aspire/det"), else against plain `ar`; environment variants left out, since they
+        # keep the arithmetic ("ar/nopdl" against "ar": the same tokens)
+        variant = "+".join(v for v in mode.partition("/")[2].split("+")
+                           if v not in ENV_VARIANTS)  # fmt: skip
+        ref = summaries.get(f"ar/{variant}" if variant else "ar", summaries.get("ar"))
+        if ref is not None and args.temperature == 0:
+            summaries[mode]["greedy_token_match_vs_ar"] = _match_rate(
+                summaries[mode]["token_ids"], ref["token_ids"])  # fmt: skip
+    for mode in done:
+        s = summaries[mode]
+        s.update(context=ctx, batch=len(s["token_ids"]), device=device_name,
+                 startup_s=startup_s[mode], prefill_s=median[mode]["prefill_s"],
+                 run_wall_s=median[mode]["wall_s"])  # fmt: skip
+        del s["token_ids"]
+    return [summaries[m] for m in done]
 
 
 def llm_gamma(mode: str, args) -> int | None:

@@ -20,7 +20,8 @@
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor-shapes   (no model staged, one call after `bundle`: each step
 #     kind's graphs on random weights at SmolLM2's shape at 6,200 x 64 and Qwen2.5-0.5B's at
-#     30,000 x 64, with and without the untimed switches: pdl, the fused merge, norefresh)
+#     30,000 x 64, with and without the switches: PDL and the fused merge (both on by
+#     default: nopdl, sepmerge), the refresh layer while drafting (norefresh))
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
@@ -204,12 +205,12 @@ PY
       --context "$context" --batch "$batch" --out "$OUT/floor.json" "$@" ;;
   floor-shapes)  # graph replay times need no real weights (acceptance does: sweep for that)
     run_logged floor-smollm2 timeout 240 python3 scripts/bench_floor.py --dummy-shapes smollm2 \
-      --modes "ar,ar/pdl,ar/fmerge,ar/pdl+fmerge,magicdec/g7,magicdec/g7+pdl+fmerge,aspire_fixed/g7,aspire_fixed/g7+pdl+fmerge" \
+      --modes "ar,ar/nopdl,ar/sepmerge,ar/nopdl+sepmerge,magicdec/g7,magicdec/g7+nopdl+sepmerge,aspire_fixed/g7,aspire_fixed/g7+nopdl+sepmerge" \
       --context 6200 --batch 64 --steps 30 --warmup 6 --profile-steps 4 \
       --out "$OUT/floor_smollm2_shapes.json"
     run_logged floor-qwen timeout 250 python3 scripts/bench_floor.py \
       --dummy-shapes qwen2.5-coder-0.5b --context 30000 --batch 64 --steps 24 --warmup 6 \
-      --modes "ar,ar/pdl+fmerge,magicdec/g8,magicdec/g8+pdl+fmerge,aspire_fixed/g8,aspire_fixed/g8+norefresh" \
+      --modes "ar,ar/nopdl+sepmerge,magicdec/g8,magicdec/g8+nopdl+sepmerge,aspire_fixed/g8,aspire_fixed/g8+norefresh" \
       --profile-steps 2 --out "$OUT/floor_qwen05b_shapes.json" ;;
   gaps)
     run_logged gaps python3 scripts/bench_floor.py --model "$MODEL" --modes "${1:-aspire/q4}" \

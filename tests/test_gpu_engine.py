@@ -248,15 +248,16 @@ def test_spin_wait_gives_the_same_tokens_on_gpu(mode):
                                      ("ar", {"deterministic": True})],
                          ids=["ar", "aspire_fixed", "aspire", "ar-det"])  # fmt: skip
 def test_programmatic_dependent_launch_gives_the_same_tokens_on_gpu(mode, kw, monkeypatch):
-    # ASPIRE_PDL=1 (kernels/pdl.py): the decoder layer's Triton kernels launched with PDL,
-    # captured so in the graphs, each waiting for its predecessor on the device; the arithmetic
-    # is the same (only griddepcontrol and L2 prefetches added), so bf16 tokens are bit for bit.
-    # ar-det: the deterministic mode's projections through kernels/linear.py
+    # kernels/pdl.py, on by default (ASPIRE_PDL=0: off): the decoder layer's Triton kernels
+    # launched with PDL, captured so in the graphs, each waiting for its predecessor on the
+    # device; the arithmetic is the same (only griddepcontrol and L2 prefetches added), so bf16
+    # tokens are bit for bit. ar-det: the deterministic mode's projections through
+    # kernels/linear.py
     from aspire_ray.kernels import pdl
 
-    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setenv(pdl.ENV, "0")
     plain = _run(mode, "bfloat16", max_tokens=64, **kw)
-    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.delenv(pdl.ENV)
     assert pdl.enabled(torch.device("cuda", torch.cuda.current_device())) == \
         (torch.cuda.get_device_capability()[0] >= 9)  # fmt: skip
     launched = _run(mode, "bfloat16", max_tokens=64, **kw)

@@ -210,12 +210,14 @@ def test_mode_variants(mods):
 
 
 def test_environment_variants(mods, monkeypatch):
-    """``pdl``: no engine option, the kernels' switch (kernels/pdl.py) set for that mode's
-    engine and unset for the others, whatever the caller's environment."""
+    """``nopdl`` / ``pdl``: no engine option, the kernels' switch (kernels/pdl.py) set for that
+    mode's engine and unset (its default) for the others, whatever the caller's environment."""
     bd = mods["bench_decode"]
     assert bd.mode_options("ar/pdl") == ("ar", {})
     assert bd.mode_options("magicdec/g8+pdl") == ("magicdec", {"gamma": 8})
     assert bd.mode_env("ar/pdl") == {"ASPIRE_PDL": "1"} == bd.mode_env("magicdec/g8+pdl")
+    assert bd.mode_options("ar/nopdl") == ("ar", {})
+    assert bd.mode_env("ar/nopdl") == {"ASPIRE_PDL": "0"} == bd.mode_env("magicdec/g8+nopdl")
     assert bd.mode_env("ar") == {"ASPIRE_PDL": None} == bd.mode_env("magicdec/g8")
     monkeypatch.setenv("ASPIRE_PDL", "1")
     with bd.mode_environment("magicdec/g8"):

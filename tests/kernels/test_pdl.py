@@ -26,13 +26,13 @@ def hopper(monkeypatch):
     pdl._capable.cache_clear()
 
 
-def test_off_by_default(monkeypatch, hopper):
+def test_on_by_default_and_off_with_zero(monkeypatch, hopper):
     monkeypatch.delenv(pdl.ENV, raising=False)
+    assert pdl.enabled(CUDA90)
+    assert pdl.launch_options(CUDA90) == {"USE_GDC": True, "launch_pdl": True}
+    monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.enabled(CUDA90)
     assert pdl.launch_options(CUDA90) == {"USE_GDC": False}
-    for off in ("", "0"):
-        monkeypatch.setenv(pdl.ENV, off)
-        assert pdl.launch_options(CUDA90) == {"USE_GDC": False}
 
 
 def test_on_with_the_variable_on_hopper(monkeypatch, hopper):
