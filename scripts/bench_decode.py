@@ -146,7 +146,9 @@ def mode_options(mode: str) -> tuple[str, dict]:
     (d_max = N), iN (``aspire``: gamma_init = N, the drafts before a request's first
     verification), fN (``aspire_fsm``: every draft length N, fsm_min = fsm_max = N), qN
     (``aspire``: verify_quantum = N, verifications on every N-th decode step), eNN
-    (``aspire``: alpha_ema = 0.NN) or several joined by "+", e.g. "aspire_fixed/round+g8"."""
+    (``aspire``: alpha_ema = 0.NN), rpN / mcN (the attention's split-KV fit: a program's
+    fixed cost ``ramp_pages`` = N, the shortest chunk ``min_chunk_pages`` = N) or several
+    joined by "+", e.g. "aspire_fixed/round+g8", "aspire/sepmerge+rp32"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
@@ -170,13 +172,26 @@ def mode_options(mode: str) -> tuple[str, dict]:
             options["alpha_ema"] = int(part[1:]) / 100
         elif re.fullmatch(r"f\d+", part):  # aspire_fsm: gamma held at N (fsm_min = fsm_max)
             options["fsm_min"] = options["fsm_max"] = int(part[1:])
+        elif re.fullmatch(r"rp\d+", part):  # the split-KV fit's fixed cost of a program, pages
+            _attention_option(options, ramp_pages=int(part[2:]))
+        elif re.fullmatch(r"mc\d+", part):  # the split-KV's shortest chunk, pages
+            _attention_option(options, min_chunk_pages=int(part[2:]))
         elif part in VARIANTS:
-            options.update(VARIANTS[part])
+            for key, value in VARIANTS[part].items():
+                if key == "attention_options":  # joined: "sepmerge+rp32" keeps both
+                    _attention_option(options, **value)
+                else:
+                    options[key] = value
         elif part not in ENV_VARIANTS:  # those set the environment: ``mode_env``
             known = [v for v in (*VARIANTS, *ENV_VARIANTS) if v]
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"sN, oN, dN, iN, eNN, fN, qN, {', '.join(known)})")
+                             f"sN, oN, dN, iN, eNN, fN, qN, rpN, mcN, {', '.join(known)})")
     return spec_mode, options
+
+
+def _attention_option(options: dict, **settings) -> None:
+    """AttentionConfig settings joined into a mode's ``attention_options``."""
+    options["attention_options"] = {**options.get("attention_options", {}), **settings}
 
 
 def mode_env(mode: str) -> dict[str, str | None]:

@@ -201,6 +201,11 @@ def test_mode_variants(mods):
     assert TritonBackend(**opts("magicdec/g8+fmerge")[1]["attention_options"]).config.fused_merge
     assert not TritonBackend(
         **opts("magicdec/g8+sepmerge")[1]["attention_options"]).config.fused_merge
+    # the split-KV fit's settings by number, joined with a variant's attention options
+    joined = TritonBackend(**opts("aspire/sepmerge+rp48+mc64")[1]["attention_options"]).config
+    assert (joined.ramp_pages, joined.min_chunk_pages, joined.fused_merge) == (48, 64, False)
+    assert opts("aspire/rp32+norefresh") == ("aspire", {"attention_options": {"ramp_pages": 32},
+                                                        "draft_refresh": False})
     # the refresh switch: the engine option, and the traces' page policy that follows it
     assert opts("aspire/norefresh") == ("aspire", {"draft_refresh": False})
     policy_of = mods["traces"].policy_of

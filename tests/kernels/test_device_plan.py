@@ -318,3 +318,19 @@ def test_the_wave_fit_keeps_the_longest_chunk_on_a_tie(group, monkeypatch):
     fused, ops = _loaded(plan, True, load), _loaded(plan, False, load)
     assert fused[0][0] == 1 + 2 + 2  # 48-page chunks (32: 1 + 3 + 3 items)
     assert _same(fused, ops)
+
+
+@pytest.mark.parametrize("ramp,chunk,programs", [(16, 72, 1140), (32, 250, 366), (48, 250, 366)])
+def test_a_mixed_steps_chunk_follows_the_programs_fixed_cost(ramp, chunk, programs):
+    # docs/benchmarks.md §8.54: `aspire`'s mixed step at 32k x 64 on an H100 (132 SMs x 3
+    # resident programs, 2 kv heads): 17 verify rows of 2,000 pages beside 47 draft rows of
+    # 140. Priced at ramp_pages 16 the fit cuts it into ~2.9 waves of 72-page chunks (a
+    # program's fixed cost 22% of its chunk); at 32 or more, one wave of 250-page chunks.
+    # Which is faster is the GPU's question (bench variants rp32, rp48).
+    from aspire_ray.kernels.paged_attention import _fit_chunk
+
+    cfg, sms, hkv = AttentionConfig(ramp_pages=ramp), 132, 2
+    n = np.array([2000] * 17 + [140] * 47, dtype=np.int64)
+    got = _fit_chunk(n, np.ones_like(n), n > 0, hkv, cfg, sms)
+    assert got == chunk
+    assert int((-(-n // got)).sum()) * hkv == programs
