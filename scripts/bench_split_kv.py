@@ -43,6 +43,11 @@ VARIANTS = {  # name -> AttentionConfig overrides
     "chunk8": {"min_chunk_pages": 8},
     "chunk16": {"min_chunk_pages": 16},
     "chunk64": {"min_chunk_pages": 64},
+    # the wave fit's fixed cost of a program (AttentionConfig.ramp_pages, 16): a mixed step of
+    # 17 verify rows at 32k beside 47 draft rows is cut into 72-page chunks at 16, one wave of
+    # 250-page chunks at 32 or more (docs/benchmarks.md §8.54)
+    "ramp32": {"ramp_pages": 32},
+    "ramp48": {"ramp_pages": 48},
     "unsplit": {"kv_chunk_pages": 1 << 30},
     "waves2": {"waves": 2.0},
     "waves4": {"waves": 4.0},
