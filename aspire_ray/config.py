@@ -347,6 +347,9 @@ class SpecConfig:
         return self.d_max if self.speculative else 0
 
 
+TRITON_PROJECTIONS = ("o", "down")  # EngineConfig.triton_projections' names
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
@@ -413,6 +416,15 @@ class EngineConfig:
     # RMSNorm (kernels/mlp_partials.py): a launch or two fewer a layer. Off until timed on a
     # GPU (bench_decode.py variant `fusedmlp`); never with `deterministic`.
     fused_mlp: bool = False
+    # On a GPU, decode-sized bf16 / fp16 steps run these row-parallel projections ("o": the
+    # attention's output projection, "down": the MLP's) through kernels/linear.py (Triton, one
+    # tiling) instead of cuBLAS, so that with programmatic dependent launch (kernels/pdl.py)
+    # every kernel of a layer overlaps its predecessor's drain: a cuBLAS launch waits for the
+    # attention or the SiLU to complete and flush. Alone the Triton o projection took 3.54 us
+    # against cuBLAS's 4.52 at 64 rows, the down projection 10.33 against 7.92 (H200, Qwen's
+    # shapes, docs/benchmarks.md §8.28). Off until timed in a step (bench variants `tlo`,
+    # `tldown`, `tlod`); never with `deterministic` (its projections are all Triton already).
+    triton_projections: tuple[str, ...] = ()
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
     # memory after them (no CUDA call in the wait). Timed in docs/benchmarks.md §8.34 (H100,
@@ -431,6 +443,10 @@ class EngineConfig:
                  and all(isinstance(k, str) for k in self.attention_options),
                  f"attention_options must map setting names to values, "
                  f"got {self.attention_options!r}")  # fmt: skip
+        object.__setattr__(self, "triton_projections", tuple(self.triton_projections))
+        _require(set(self.triton_projections) <= set(TRITON_PROJECTIONS),
+                 f"triton_projections must name projections of {TRITON_PROJECTIONS}, got "
+                 f"{self.triton_projections!r}")  # fmt: skip
         _require(self.device_wait in ("event", "spin"),
                  f"device_wait must be 'event' or 'spin', got {self.device_wait!r}")
         _require(self.calibrate in CALIBRATE,

@@ -109,6 +109,11 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "nofused": {"fused_epilogues": False},
     # each MLP in one launch, its down projection's sum in the next norm (EngineConfig.fused_mlp)
     "fusedmlp": {"fused_mlp": True},
+    # the o / down / both projections through kernels/linear.py, not cuBLAS
+    # (EngineConfig.triton_projections: every kernel of a layer in the PDL chain)
+    "tlo": {"triton_projections": ("o",)},
+    "tldown": {"triton_projections": ("down",)},
+    "tlod": {"triton_projections": ("o", "down")},
     # DESIGN.md §1.5's acceptance estimate, the EMA of a / min(a + 1, d) (docs/speculation.md)
     "perround": {"alpha_estimator": "per_round"},
     # aspire's draft lengths priced as DESIGN.md §1.5's homogeneous batch (SpecConfig.gamma_pricing)

@@ -21,7 +21,8 @@
 #   bash scripts/gpu_runs.sh floor-shapes   (no model staged, one call after `bundle`: each step
 #     kind's graphs on random weights at SmolLM2's shape at 6,200 x 64 and Qwen2.5-0.5B's at
 #     30,000 x 64, with and without the switches: PDL and the fused merge (both on by
-#     default: nopdl, sepmerge), the refresh layer while drafting (norefresh))
+#     default: nopdl, sepmerge), the refresh layer while drafting (norefresh), the o / down
+#     projections through kernels/linear.py (tlo, tlod))
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
@@ -205,7 +206,7 @@ PY
       --context "$context" --batch "$batch" --out "$OUT/floor.json" "$@" ;;
   floor-shapes)  # graph replay times need no real weights (acceptance does: sweep for that)
     run_logged floor-smollm2 timeout 240 python3 scripts/bench_floor.py --dummy-shapes smollm2 \
-      --modes "ar,ar/nopdl,ar/sepmerge,ar/nopdl+sepmerge,magicdec/g7,magicdec/g7+nopdl+sepmerge,aspire_fixed/g7,aspire_fixed/g7+nopdl+sepmerge" \
+      --modes "ar,ar/nopdl,ar/sepmerge,ar/nopdl+sepmerge,ar/tlo,ar/tlod,magicdec/g7,magicdec/g7+nopdl+sepmerge,magicdec/g7+tlod,aspire_fixed/g7,aspire_fixed/g7+nopdl+sepmerge" \
       --context 6200 --batch 64 --steps 30 --warmup 6 --profile-steps 4 \
       --out "$OUT/floor_smollm2_shapes.json"
     run_logged floor-qwen timeout 250 python3 scripts/bench_floor.py \

@@ -116,3 +116,54 @@ def test_fused_mlp_stays_off_on_several_ranks():
     mlps[0].down_proj.tp = TPGroup(rank=0, size=2)
     decoder.set_fused_mlp(model, True)
     assert not mlps[0].fused_mlp
+
+
+@pytest.mark.parametrize("names", [("o",), ("down",), ("o", "down")])
+def test_triton_projections_give_cublas_hidden_states(names, monkeypatch):
+    # EngineConfig.triton_projections: the named row-parallel projections through
+    # kernels/linear.py (interpreted, the GPU path forced on, float32): a 2-layer forward's
+    # hidden states as with F.linear, every named projection of every layer through Triton
+    import dataclasses
+
+    from aspire_ray.kernels import linear
+    from aspire_ray.tp import layers as tp_layers
+
+    monkeypatch.setattr(tp_layers, "_triton_fits", lambda x, rows: x.shape[0] <= rows)
+    torch.manual_seed(0)
+    model = decoder.DecoderModel(dataclasses.replace(ARCH, num_layers=2), single_rank())
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    ids, positions = torch.tensor([1, 7, 3, 9]), torch.tensor([0, 1, 2, 3])
+    caches = [torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim) for _ in range(2)]
+    shapes = []
+    real = linear.triton_linear
+    monkeypatch.setattr(linear, "triton_linear",
+                        lambda x, w, *a: shapes.append(tuple(w.shape)) or real(x, w, *a))
+    with torch.no_grad():
+        decoder.set_triton_projections(model, names)
+        triton = model(ids, positions, _EchoPlan(), caches)
+        expected = {"o": (64, 64), "down": (64, 96)}
+        assert sorted(shapes) == sorted([expected[n] for n in names] * 2)
+        decoder.set_triton_projections(model, ())
+        cublas = model(ids, positions, _EchoPlan(), caches)
+        assert len(shapes) == 2 * len(names)  # off: never asked
+    torch.testing.assert_close(triton, cublas, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_projections_only_for_decode_sized_half_steps_on_a_gpu():
+    from aspire_ray.tp.layers import _triton_fits
+
+    half = torch.bfloat16
+    assert not _triton_fits(torch.zeros(5, 8, dtype=half), 256)  # a CPU tensor: never
+    if torch.cuda.is_available():
+        x = torch.zeros(256, 8, dtype=half, device="cuda")
+        assert _triton_fits(x, 256) and not _triton_fits(x, 255)
+        assert not _triton_fits(x.float(), 256)  # float32 keeps cuBLAS
+
+
+def test_triton_projections_are_named_ones():
+    from aspire_ray.config import EngineConfig
+
+    assert EngineConfig(triton_projections=["o", "down"]).triton_projections == ("o", "down")
+    with pytest.raises(ValueError, match="triton_projections must name projections of"):
+        EngineConfig(triton_projections=("qkv",))

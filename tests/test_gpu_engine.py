@@ -405,3 +405,29 @@ def test_shutdown_gives_the_gpu_memory_back():
                   [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4)
     engine.shutdown()
     assert torch.cuda.mem_get_info()[0] >= free_before - (256 << 20)
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_triton_projections_run_in_the_graphs_on_gpu(mode, monkeypatch):
+    # EngineConfig.triton_projections: the o and down projections of decode-sized bf16 steps
+    # through kernels/linear.py, captured in the graphs; its products are cuBLAS's to bf16
+    # rounding (not bit for bit, so the tokens are not compared with cuBLAS's run)
+    from aspire_ray.kernels import linear
+
+    shapes = []
+    real = linear.triton_linear
+    monkeypatch.setattr(linear, "triton_linear",
+                        lambda x, w, *a: shapes.append(tuple(w.shape)) or real(x, w, *a))
+    out = _run(mode, "bfloat16", max_tokens=48, triton_projections=("o", "down"))
+    worker = _run.last_worker
+    graphed = sum(g.steps for g in (worker.step_graphs, worker.draft_graphs, worker.async_graphs)
+                  if g is not None)  # fmt: skip
+    assert {(576, 576), (576, 1536)} <= set(shapes)  # o [hidden, heads x dim], down [hidden, I]
+    assert graphed > 20 and all(len(o.token_ids) == 48 for o in out)
+    # the two paths' products on one decode-sized input
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((576, 576), (576, 1536)):
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
+        got = real(x, w, None, linear.invariant_config(n, k))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=2e-2, rtol=2e-2)

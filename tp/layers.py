@@ -137,10 +137,28 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_narrow(full, 1, self.tp.rank, self.in_local))
 
     invariant = False  # set_batch_invariant
+    # steps of at most this many rows, bf16 / fp16 on a GPU, through kernels/linear.py, not
+    # cuBLAS (0: never; model/decoder.set_triton_projections)
+    triton_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce((invariant_linear if self.invariant else F.linear)(x, self.weight))
+        if self.invariant:
+            y = invariant_linear(x, self.weight)
+        elif self.triton_rows and _triton_fits(x, self.triton_rows):
+            from aspire_ray.kernels.linear import invariant_config, triton_linear
+
+            y = triton_linear(x, self.weight, None, invariant_config(*self.weight.shape))
+        else:
+            y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+def _triton_fits(x: torch.Tensor, max_rows: int) -> bool:
+    """A decode-sized half-precision x [T, K] on a GPU (float32 keeps cuBLAS: the fp32 runs
+    that check exactness compare steps of every size, and a Triton product is not cuBLAS's)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= max_rows and x.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -72,6 +72,9 @@ class RMSNorm(nn.Module):
 # tokens the fused gate/up is 1.4x cuBLAS + SiLU (the qkv still 0.92x).
 QKV_ROPE_MAX_TOKENS = 256
 GATE_UP_SILU_MAX_TOKENS = 128
+# Steps of at most this many tokens may run the o / down projections through kernels/linear.py
+# (``set_triton_projections``): decode-sized, where cuBLAS's launch edge is the cost.
+TRITON_PROJECTION_MAX_TOKENS = 256
 # Steps of at most this many tokens may run the whole MLP as one launch (``set_fused_mlp``).
 FUSED_MLP_MAX_TOKENS = 128
 _HALF = (torch.bfloat16, torch.float16)
@@ -93,6 +96,17 @@ def set_fused_mlp(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, MLP):
             m.fused_mlp = on and m.down_proj.tp.size == 1
+
+
+def set_triton_projections(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Decode-sized bf16 / fp16 steps of ``model`` on a GPU run the named row-parallel
+    projections ("o", "down": ``EngineConfig.triton_projections``) through kernels/linear.py,
+    the others through cuBLAS."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.o_proj.triton_rows = TRITON_PROJECTION_MAX_TOKENS if "o" in names else 0
+        elif isinstance(m, MLP):
+            m.down_proj.triton_rows = TRITON_PROJECTION_MAX_TOKENS if "down" in names else 0
 
 
 def fused_epilogue(x: torch.Tensor, max_tokens: int) -> bool:

@@ -23,7 +23,7 @@ import torch
 from aspire_ray.attention import get_backend
 from aspire_ray.config import EngineConfig
 from aspire_ray.kernels.host import offsets, upload
-from aspire_ray.model.decoder import set_fused_epilogues, set_fused_mlp
+from aspire_ray.model.decoder import set_fused_epilogues, set_fused_mlp, set_triton_projections
 from aspire_ray.plan import (
     RowKind,
     RowPlan,
@@ -87,6 +87,7 @@ class Worker:
             set_batch_invariant(self.model)
         set_fused_epilogues(self.model, cfg.fused_epilogues)
         set_fused_mlp(self.model, cfg.fused_mlp and not cfg.deterministic)
+        set_triton_projections(self.model, () if cfg.deterministic else cfg.triton_projections)
         self.arch = self.model.arch
         self.page_size = cfg.cache.page_size
         self.backend = get_backend(cfg.attention_backend, self.device, cfg.attention_options,
