@@ -379,7 +379,11 @@ class AsyncStepGraphs:
         outs = []
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            self.graphs[n, t, self.variant].replay()
+            graph = self.graphs[n, t, self.variant]
+            # the graph clock's step kind of this replay: draft rows only, or verify rows in
+            # it (they read their whole KV: the two costs differ ~2.5x at 32k)
+            graph.kind = "async_verify" if max(q, default=0) > 1 else "async"
+            graph.replay()
             outs.append(self.argmax[n, t, self.variant][: sum(q)].clone())
         self.steps += len(layout)
         return outs

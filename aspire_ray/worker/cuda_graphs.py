@@ -169,7 +169,8 @@ class PiecewiseGraphs:
         """fn (a self-planning step) run once eagerly, then captured into one graph, each time
         with the ``idle`` buffers zeroed (they say which rows are live: none, so neither run
         writes KV or scores) -> (the graph, its output). kind: the step kind of its replays
-        (the graph clock's ``by_kind``: "draft", "decode", "verify", "async")."""
+        (the graph clock's ``by_kind``: "draft", "decode", "verify", "async"; an asynchronous
+        graph's replays set theirs, "async" or "async_verify": ``AsyncGraphs.replay``)."""
         for t in idle:
             t.zero_()
         self.run_captures([fn])
