@@ -432,19 +432,42 @@ def costs_from_clock(r: dict, meta: dict, source: str) -> StepCosts:
     proportion to its mean draft length) cost the mean GPU time of a replay; host time per
     plan: the GPU's idle time in the window per plan (what the host cost the GPU, not the
     host's own time, much of which the runs started early hide). The engine's online fit of
-    such runs is an offset on the prior's slopes with r² < 0 (§8.36), 8% under the replays."""
+    such runs is an offset on the prior's slopes with r² < 0 (§8.36), 8% under the replays.
+    Where the clock timed the replays with verify rows apart (``by_kind`` "async_verify"
+    beside "async", since session 41), the per-step term prices the draft-only replays and
+    ``b_mixed`` what the others cost past the linear terms (``_clock_mixed``)."""
     b, clock = r["breakdown"], r["breakdown"]["gpu_clock"]
     coef, batch = b["cost_model"], int(r.get("batch", 1))
     policy, ctx = _policy(r["mode"], meta), _window_context(r, meta)
     g = max(1, round(r.get("gamma_mean") or 1))
+    host = clock["gap_ms"] / 1e3 / max(b["steps"], 1)
+    kinds = clock.get("by_kind", {})
+    if kinds.get("async", {}).get("replays") and kinds.get("async_verify", {}).get("replays"):
+        per_step, mixed = _clock_mixed(kinds, coef, policy, ctx, g, batch)
+        return StepCosts(per_step, coef["b_tok"], coef["b_kv"], per_step, host, source, mixed)
     # a round of each row: g draft steps, then a verification of g + 1 queries
     draft = _rows_features(policy, RowKind.DRAFT, ctx, 0, batch)
     verify = _rows_features(policy, RowKind.VERIFY, ctx, g, batch)
     tokens, kv_tokens = ((g * d + v) / (g + 1) for d, v in zip(draft, verify, strict=True))
     step = clock["busy_ms"] / 1e3 / max(clock["replays"], 1)
     per_step = max(0.0, step - coef["b_tok"] * tokens - coef["b_kv"] * kv_tokens)
-    host = clock["gap_ms"] / 1e3 / max(b["steps"], 1)
     return StepCosts(per_step, coef["b_tok"], coef["b_kv"], per_step, host, source)
+
+
+def _clock_mixed(kinds: dict, coef: dict, policy: DraftPolicy, ctx: int, g: int,
+                 batch: int) -> tuple[float, float]:  # fmt: skip
+    """(per-step term, b_mixed) from an asynchronous run's replays by kind: a draft-only replay
+    (every row drafting) costs the per-step term and the linear terms; a replay with verify
+    rows in it holds the window's verifications (each row verifies once in g + 1 steps) shared
+    evenly, the rest of its rows drafting, and costs b_mixed more than the linear terms say."""
+    slope = lambda f: coef["b_tok"] * f[0] + coef["b_kv"] * f[1]  # noqa: E731
+    draft_row = _rows_features(policy, RowKind.DRAFT, ctx, 0, 1)
+    verify_row = _rows_features(policy, RowKind.VERIFY, ctx, g, 1)
+    d, m = kinds["async"], kinds["async_verify"]
+    per_step = max(0.0, d["mean_ms"] / 1e3 - batch * slope(draft_row))
+    v = min(batch, batch * (d["replays"] + m["replays"]) / (g + 1) / m["replays"])
+    mixed = v * slope(verify_row) + (batch - v) * slope(draft_row)
+    return per_step, max(0.0, m["mean_ms"] / 1e3 - per_step - mixed)
 
 
 def _window_context(r: dict, meta: dict) -> int:

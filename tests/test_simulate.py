@@ -312,6 +312,34 @@ def test_an_asynchronous_run_is_priced_by_the_gpu_clock(mods):
     assert costs.worker_seconds(*mean) == pytest.approx(0.48 / 150)
 
 
+def test_replays_with_verify_rows_timed_apart_price_a_mixed_step(mods):
+    """The clock's "async" (draft rows only) and "async_verify" replays: a draft-only step
+    costs the first kind's mean, a step holding the window's verifications (each row once in
+    g + 1 steps, shared by the replays with verify rows) the second's, past its linear terms
+    by b_mixed."""
+    sim = mods["simulate"]
+    meta = {"num_layers": 24, "page_size": 16, "spec": {}, "mean_prompt_len": 32000,
+            "query_tile_tokens": 9}  # fmt: skip
+    cm = {"b_model": 3e-4, "b_tok": 3e-6, "b_kv": 4.4e-9, "status": "offset: r2 -0.6 < 0.8"}
+    kinds = {"async": {"replays": 66, "mean_ms": 1.9, "median_ms": 1.89},
+             "async_verify": {"replays": 66, "mean_ms": 4.7, "median_ms": 4.69}}
+    clock = {"replays": 132, "busy_ms": 435.0, "gap_ms": 0.8, "by_kind": kinds}
+    b = {"cost_model": cm, "step_kinds": {"async": 128}, "step_seconds": {"async": 0.39},
+         "steps": 8, "timings": {"total": 0.39}, "gpu_clock": clock}  # fmt: skip
+    r = {"mode": "aspire/norefresh", "batch": 64, "context": "32000", "tokens": 6668,
+         "decode_seconds": 0.44, "gamma_mean": 6.36, "breakdown": b}  # fmt: skip
+    costs = sim.costs_from_clock(r, meta, "t")
+    policy, ctx, g = sim._policy("aspire/norefresh", meta), 32000 + 6668 // 128, 6
+    draft = sim._rows_features(policy, sim.RowKind.DRAFT, ctx, 0, 1)
+    verify = sim._rows_features(policy, sim.RowKind.VERIFY, ctx, g, 1)
+    assert costs.worker_seconds(64 * draft[0], 64 * draft[1]) == pytest.approx(1.9e-3)
+    v = 64 * 2 / (g + 1)  # verify rows a replay with verify rows holds: 18.3
+    step = [v * x + (64 - v) * y for x, y in zip(verify, draft, strict=True)]
+    assert costs.b_mixed > 0
+    assert costs.worker_seconds(*step) + costs.b_mixed == pytest.approx(4.7e-3)
+    assert costs.host_per_plan == pytest.approx(0.8e-3 / 8)
+
+
 def test_generations_repeated_to_a_length(mods, recorded):
     sim = mods["simulate"]
     assert sim.repeated("1011", 9) == "101101101"  # position 0 (the prompt's) not again
