@@ -82,6 +82,10 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "oldsplit": {"attention_options": {"resident_programs": None}},
     # 32-row query tiles with the compiler's registers (before session 28)
     "nomid": {"attention_options": {"mid_max_registers": None}},
+    # verify rows in 128-row query tiles: 18 queries of Qwen2.5's 7-head groups read their KV
+    # once (64 rows: 9), so draft lengths up to 17 verify in one KV read (kernels/attention_config
+    # query_tile_tokens; the cost model and the verify slots follow it)
+    "m128": {"attention_options": {"block_m_max": 128}},
     # a mixed step's draft rows in a launch of their own beside the verify rows' (two launches)
     "twolaunch": {"attention_options": {"mixed_one_launch": False}},
     # split rows merged by their last chunk's program in the attention launch, no merge launch

@@ -343,3 +343,19 @@ def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
     assert all(v is None for _, _, v in graphs.graphs), "a sampled graph variant was captured"
     assert engine.stats()["step_kinds"].get("async", 0) >= 6
     assert [len(t) for t in out.values()] == [6, 9, 12, 15]
+
+
+@pytest.mark.slow
+def test_a_wide_query_tile_keeps_ars_tokens_on_the_graphs(tiny_model_dir):
+    # bench variant m128 (block_m_max 128): the policy's query tile follows the backend's
+    # (ShardInfo.query_tile_tokens), the self-planning graphs plan verify rows in the wider
+    # tile, and the tokens stay `ar`'s
+    model_dir = tiny_model_dir("llama_3l")
+    opts = dict(attention_backend="triton", attention_options={"block_m_max": 128})
+    expected = _greedy(_engine(model_dir, "ar", **opts), max_tokens=7)
+    engine = _engine(model_dir, "aspire", async_steps=6, **opts)
+    w = use_eager_graphs(engine)
+    assert _greedy(engine, max_tokens=7) == expected
+    assert w.async_graphs.steps >= 12
+    group = w.arch.num_heads // w.arch.num_kv_heads
+    assert engine.policy.kv_reads.query_tile == 128 // group

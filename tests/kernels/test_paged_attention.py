@@ -408,3 +408,18 @@ def test_deterministic_config_gives_a_query_the_same_bits_in_any_row(first):
     # (the default leaves 16 pages unsplit: it is blind there; balanced chunks are not)
     blind = "default" if first == 1200 else "balanced"
     assert not same[blind, 0], f"{blind} chunks should round otherwise (test is blind)"
+
+
+def test_a_128_row_query_tile_holds_a_long_verify_row():
+    # bench variant m128 (block_m_max 128): a row of 17 queries of 7-head groups (Qwen2.5's)
+    # fits one query tile of 126 rows, so it reads its KV once (64 rows: 9 queries a tile, two
+    # reads), and its output and lse are the reference's, split or not
+    cfg = AttentionConfig(block_m_max=128)
+    assert query_tile_tokens(cfg, 7) == 18 and query_tile_tokens(DEFAULT_CONFIG, 7) == 9
+    q, kv, meta = make_case([17, 1, 13, 1], [700, 300, 410, 90], (14, 2, 64), torch.float32)
+    for config in (cfg, replace(cfg, kv_chunk_pages=3)):
+        check(q, kv, meta, torch.float32, config)
+    plan = _plan(meta, 7, 2, cfg)
+    work = torch.cat([launch.work.cpu() for launch in plan.launches], dim=1)
+    mine = work[:, work[0] == 0]
+    assert int((mine[3] - mine[2]).sum()) == 700  # the 17-query row's KV, read once
