@@ -67,6 +67,20 @@ def test_long_steps_keep_the_separate_ops(monkeypatch):
         assert not decoder.fused_epilogue(torch.zeros(n, 8), n)  # float32: tf32 on a GPU
 
 
+def _random_model(num_layers: int):
+    """A random ``num_layers``-layer model of ARCH and a 4-token step for it: (model, ids,
+    positions, the layers' caches)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = decoder.DecoderModel(dataclasses.replace(ARCH, num_layers=num_layers), single_rank())
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    ids, positions = torch.tensor([1, 7, 3, 9]), torch.tensor([0, 1, 2, 3])
+    caches = [torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim) for _ in range(num_layers)]
+    return model, ids, positions, caches
+
+
 class _EchoPlan:
     """Attention stand-in: each query attends to itself (out = q), enough to run the layers."""
 
@@ -78,7 +92,6 @@ def test_fused_mlp_gives_the_separate_ops_hidden_states(monkeypatch):
     # EngineConfig.fused_mlp: each MLP one launch, its partials summed by the next layer's
     # input norm and by the final norm: a 3-layer forward's hidden states as with the MLP's
     # separate kernels (interpreted, the GPU path forced on, float32)
-    import dataclasses
 
     from aspire_ray.kernels import mlp_partials as mp
 
@@ -86,12 +99,7 @@ def test_fused_mlp_gives_the_separate_ops_hidden_states(monkeypatch):
     monkeypatch.setattr(decoder, "_HALF", (torch.float32,))
     # the interpreter's pace: small tiles (the default's 64-wide tiles take minutes there)
     monkeypatch.setattr(mp, "DEFAULT_MLP_CONFIG", mp.MLPConfig(16, 16, 16, 16))
-    torch.manual_seed(0)
-    model = decoder.DecoderModel(dataclasses.replace(ARCH, num_layers=3), single_rank())
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    ids, positions = torch.tensor([1, 7, 3, 9]), torch.tensor([0, 1, 2, 3])
-    caches = [torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim) for _ in range(3)]
+    model, ids, positions, caches = _random_model(3)
     calls = []
     real = mp.mlp_partials
     monkeypatch.setattr(mp, "mlp_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -123,18 +131,12 @@ def test_triton_projections_give_cublas_hidden_states(names, monkeypatch):
     # EngineConfig.triton_projections: the named row-parallel projections through
     # kernels/linear.py (interpreted, the GPU path forced on, float32): a 2-layer forward's
     # hidden states as with F.linear, every named projection of every layer through Triton
-    import dataclasses
 
     from aspire_ray.kernels import linear
     from aspire_ray.tp import layers as tp_layers
 
     monkeypatch.setattr(tp_layers, "_triton_fits", lambda x, rows: x.shape[0] <= rows)
-    torch.manual_seed(0)
-    model = decoder.DecoderModel(dataclasses.replace(ARCH, num_layers=2), single_rank())
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    ids, positions = torch.tensor([1, 7, 3, 9]), torch.tensor([0, 1, 2, 3])
-    caches = [torch.zeros(4, 2, 8, ARCH.num_kv_heads, ARCH.head_dim) for _ in range(2)]
+    model, ids, positions, caches = _random_model(2)
     shapes = []
     real = linear.triton_linear
     monkeypatch.setattr(linear, "triton_linear",

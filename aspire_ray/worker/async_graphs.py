@@ -52,6 +52,7 @@ from .cuda_graphs import row_buckets
 from .device_memory import SPARE_BYTES, RowStore
 from .draft_graphs import SAMPLED_VARIANTS, sampling_variant
 from .draft_pages import PageScoreTable, choose_top_pages, rescore_first_last, sync_tables
+from .graph_clock import CLOCK
 from .page_policies import PageSelector
 from .page_table import PageTable, list_capacity
 from .sampled_rows import sampled_choices
@@ -380,9 +381,9 @@ class AsyncStepGraphs:
         for q in layout:
             t = self.pieces.bucket(sum(q))
             graph = self.graphs[n, t, self.variant]
-            # the graph clock's step kind of this replay: draft rows only, or verify rows in
-            # it (they read their whole KV: the two costs differ ~2.5x at 32k)
-            graph.kind = "async_verify" if max(q, default=0) > 1 else "async"
+            if CLOCK.enabled:  # its step kind for the clock: draft rows only, or verify rows
+                # in it (they read their whole KV: the two costs differ ~2.5x at 32k)
+                graph.kind = "async_verify" if max(q, default=0) > 1 else "async"
             graph.replay()
             outs.append(self.argmax[n, t, self.variant][: sum(q)].clone())
         self.steps += len(layout)
