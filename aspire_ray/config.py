@@ -163,9 +163,10 @@ class SpecConfig:
     # drafts, closer to each request's choice than Q = 4's 3, 7, 11); no slots gave 0.867x
     # (§8.39). 1: no slots.
     verify_quantum: int = 2
-    # With verify slots: sampled requests' draft lengths move to the slots too. Off by default:
-    # a sampled request's tokens follow its draft lengths (a verification's last draw is not a
-    # draft's), so with it a seeded request's text also depends on the step it arrived at.
+    # With verify slots: seeded sampled requests' draft lengths move to the slots too. Off by
+    # default: a sampled request's tokens follow its draft lengths (a verification's last draw
+    # is not a draft's), so with it a seeded request's text also depends on the step it arrived
+    # at. Sampled requests without a seed promise no text and take the slots either way.
     # `aspire`'s cost-model lengths already depend on the batch (docs/speculation.md), and
     # greedy rows gained 10% from the slots (docs/benchmarks.md §8.39, §8.42): to be timed.
     slot_sampled: bool = False

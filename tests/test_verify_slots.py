@@ -48,7 +48,7 @@ def test_align_stays_within_the_query_tile_and_off_for_rounds():
     assert policy("aspire_fixed", 9).align([8, 9], [0, 0], 4, [16, 16]) == [8, 9]
 
 
-def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0,
+def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0, seed: int | None = 1,
                   **spec) -> tuple[list[int], LLMEngine]:  # fmt: skip
     """Decode-step indices of every verification of 4 requests (aspire_fsm: the fake executor
     accepts every draft, so the draft lengths grow from 5)."""
@@ -76,7 +76,7 @@ def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0,
     engine.executor.execute = recording
     # requests that start decoding at different steps (prompts of different lengths, one
     # prefill chunk a step): out of phase at first
-    params = SamplingParams(max_tokens=150, temperature=temperature, seed=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=150, temperature=temperature, seed=seed, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"r{i}", [(3 * i + j) % 256 for j in range(40 + 90 * i)], params)
     while engine.has_unfinished():
@@ -94,13 +94,16 @@ def test_verifications_fall_on_the_slots(async_steps):
     assert share(off) < 0.5  # without slots: a third of them by chance
 
 
-def test_sampled_requests_take_the_slots_only_when_asked():
-    # a sampled request keeps its own draft lengths (its text follows them), unless
-    # SpecConfig.slot_sampled moves them to the slots as greedy ones
+def test_seeded_sampled_requests_take_the_slots_only_when_asked():
+    # a seeded sampled request keeps its own draft lengths (its text follows them), unless
+    # SpecConfig.slot_sampled moves them to the slots as greedy ones; a request without a
+    # seed promises no text and takes them either way
     share = lambda steps: sum(s % 3 == 2 for s in steps) / len(steps)  # noqa: E731
     own, _ = _verify_steps(3, 6, temperature=0.8)
     slotted, _ = _verify_steps(3, 6, temperature=0.8, slot_sampled=True)
-    assert len(slotted) > 40 and share(slotted) >= 0.85, sorted(slotted)
+    unseeded, _ = _verify_steps(3, 6, temperature=0.8, seed=None)
+    for steps in (slotted, unseeded):
+        assert len(steps) > 40 and share(steps) >= 0.85, sorted(steps)
     assert share(own) < 0.5
 
 

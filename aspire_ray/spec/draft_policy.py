@@ -226,15 +226,17 @@ class DraftPolicy:
         return self.cfg.verify_quantum > 1 and not self.cfg.synchronized
 
     def keeps_its_target(self, req: Request, target: int) -> bool:
-        """Whether ``align`` leaves the request's draft length alone: a sampled request unless
-        ``SpecConfig.slot_sampled`` or ``coupled_sampling`` (its draws follow its draft lengths,
-        so a seeded request's text would depend on the engine's step clock, i.e. on when it
-        arrived; coupled, they do not) and a probe
-        (one draft, the cheapest lesson for alpha and the cost model)."""
+        """Whether ``align`` leaves the request's draft length alone: a seeded sampled request
+        unless ``SpecConfig.slot_sampled`` or ``coupled_sampling`` (its draws follow its draft
+        lengths, so its text would depend on the engine's step clock, i.e. on when it arrived;
+        coupled, they do not; a request without a seed promises no text, so it takes the
+        slots as greedy ones do) and a probe (one draft, the cheapest lesson for alpha and the
+        cost model)."""
         probe = target == 1 and self.cfg.mode_spec.gamma_rule == "cost_model" \
             and self.probe_due(req)  # fmt: skip
         free = self.cfg.slot_sampled or self.cfg.coupled_sampling  # coupled: text fixed by seed
-        return probe or (not req.sampling.greedy and not free)
+        seeded = req.params.seed is not None  # the driver draws one for the rest
+        return probe or (not req.sampling.greedy and seeded and not free)
 
     def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
               keep: list[bool] | None = None) -> list[int]:  # fmt: skip
