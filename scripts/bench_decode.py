@@ -132,6 +132,13 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
 }
 
 
+# bench variants PREFIX + N setting one AttentionConfig field of the Triton attention's launch
+# (a decode step's attention is ~87% of SmolLM2's `ar` step and ~1.11x its KV bytes' floor:
+# docs/benchmarks.md §8.55), e.g. "ar/ns4", "ar/bn64+nw8"
+ATTENTION_KNOBS = {"bn": "block_n", "nw": "num_warps", "ns": "num_stages",
+                   "rs": "resident_programs", "reg": "max_registers"}
+
+
 ENV_VARIANTS = {  # MODE/VARIANT: MODE's engine built and run under these environment variables
     # (switches read at each kernel launch, not engine options; a mode without the variant runs
     # with them unset, so "ar,ar/nopdl" compares the two in one process)
@@ -156,8 +163,9 @@ def mode_options(mode: str) -> tuple[str, dict]:
     verification), fN (``aspire_fsm``: every draft length N, fsm_min = fsm_max = N), qN
     (``aspire``: verify_quantum = N, verifications on every N-th decode step), eNN
     (``aspire``: alpha_ema = 0.NN), rpN / mcN (the attention's split-KV fit: a program's
-    fixed cost ``ramp_pages`` = N, the shortest chunk ``min_chunk_pages`` = N) or several
-    joined by "+", e.g. "aspire_fixed/round+g8", "aspire/sepmerge+rp32"."""
+    fixed cost ``ramp_pages`` = N, the shortest chunk ``min_chunk_pages`` = N), bnN / nwN /
+    nsN / rsN / regN (the attention launch's ``ATTENTION_KNOBS``) or several joined by "+",
+    e.g. "aspire_fixed/round+g8", "aspire/sepmerge+rp32", "ar/ns4+nw8"."""
     spec_mode, _, variant = mode.partition("/")
     options = {}
     for part in variant.split("+") if variant else [""]:
@@ -185,6 +193,8 @@ def mode_options(mode: str) -> tuple[str, dict]:
             _attention_option(options, ramp_pages=int(part[2:]))
         elif re.fullmatch(r"mc\d+", part):  # the split-KV's shortest chunk, pages
             _attention_option(options, min_chunk_pages=int(part[2:]))
+        elif m := re.fullmatch(r"(bn|nw|ns|rs|reg)(\d+)", part):  # the attention's launch
+            _attention_option(options, **{ATTENTION_KNOBS[m[1]]: int(m[2])})
         elif part in VARIANTS:
             for key, value in VARIANTS[part].items():
                 if key == "attention_options":  # joined: "sepmerge+rp32" keeps both
@@ -194,7 +204,8 @@ def mode_options(mode: str) -> tuple[str, dict]:
         elif part not in ENV_VARIANTS:  # those set the environment: ``mode_env``
             known = [v for v in (*VARIANTS, *ENV_VARIANTS) if v]
             raise SystemExit(f"unknown mode variant {part!r} in {mode!r} (known: gN, rN, aN, "
-                             f"sN, oN, dN, iN, eNN, fN, qN, rpN, mcN, {', '.join(known)})")
+                             f"sN, oN, dN, iN, eNN, fN, qN, rpN, mcN, bnN, nwN, nsN, rsN, regN, "
+                             f"{', '.join(known)})")
     return spec_mode, options
 
 
@@ -565,6 +576,11 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
+    p.add_argument("--sampling-seed", default="0",
+                   help="every request's SamplingParams.seed, or 'none': unseeded requests "
+                        "(as most API calls; `aspire` moves their draft lengths to the verify "
+                        "slots, where a seeded request keeps its own: DraftPolicy."
+                        "keeps_its_target)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
     p.add_argument("--dummy-shapes", choices=sorted(DUMMY_SHAPES), default=None,
@@ -619,7 +635,7 @@ def main() -> None:
                 print(f"mix: domain {domain!r} left out: {why}", flush=True)
     for ctx in args.contexts.split(","):
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
-        startup_s: dict[str, float] = {}  # mode -> seconds its LLM took to build
+        builds: dict[str, dict] = {}  # mode -> its LLM's start-up seconds, the pool's room
         traces = Traces({}, {}, [])
         for mode in modes:
             _set_env(mode_env(mode))  # its kernel switches, for its build and runs (ENV_VARIANTS)
@@ -634,14 +650,26 @@ def main() -> None:
             llm = LLM(device=args.device, dtype=args.dtype, spec_mode=spec_mode,
                       attention_backend=args.attention_backend, max_num_seqs=max_seqs,
                       max_num_batched_tokens=args.max_batched_tokens, **options, **kw)
-            startup_s[mode] = time.perf_counter() - built
+            builds[mode] = {"startup_s": time.perf_counter() - built}
             tok = llm.tokenizer
+            holds = largest_batch(llm, ctx, args) if ctx not in ("short", "mix") else None
             if args.batch != "max":
                 batch = int(args.batch)
             elif mode == modes[0]:  # every mode of a context decodes the same batch
                 batch = largest_batch(llm, ctx, args)
+            builds[mode]["pool_holds"] = holds
+            # printed before the runs: a call cut short still says where its time went
+            print(f"[{ctx} {mode}] start-up {builds[mode]['startup_s']:.0f} s; its KV pool "
+                  f"holds {holds} requests of this context", flush=True)
+            if holds is not None and batch > holds:  # a smaller pool than the first mode's
+                print(f"[{ctx} {mode}] WARNING: batch {batch} > the {holds} requests its pool "
+                      f"holds: the rest wait or are preempted, and the window measures that; "
+                      f"list the mode with the most step workspace first, or pass --batch "
+                      f"{holds}", flush=True)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, top_k=args.top_k, seed=0,
+                                    top_p=args.top_p, top_k=args.top_k,
+                                    seed=None if args.sampling_seed == "none"
+                                    else int(args.sampling_seed),
                                     ignore_eos=True)  # fmt: skip
             domains = None
             if args.dummy_shapes:
@@ -668,7 +696,8 @@ def main() -> None:
                 per_mode[mode][-1]["domains"] = domains
                 run = per_mode[mode][-1]  # progress: a run cut short still shows what it did
                 print(f"[{ctx} {mode} rep {rep}] {run['tokens'] / run['seconds']:.1f} tok/s "
-                      f"(start-up {startup_s[mode]:.0f} s, prefill {run['prefill_s']:.0f} s, "
+                      f"(start-up {builds[mode]['startup_s']:.0f} s, "
+                      f"prefill {run['prefill_s']:.0f} s, "
                       f"run {run['wall_s']:.0f} s)", flush=True)
                 if recorder is not None:
                     recorder.detach()
@@ -682,11 +711,11 @@ def main() -> None:
             gc.collect()
             _empty_cache()
             if args.out and mode != modes[-1]:  # a run cut short keeps the modes it measured
-                done = context_results(per_mode, startup_s, ctx, info.device_name, args)
+                done = context_results(per_mode, builds, ctx, info.device_name, args)
                 with open(args.out, "w") as f:
                     json.dump(dict(report, results=report["results"] + done,
                                    partial=f"context {ctx}: the modes up to {mode}"), f, indent=1)
-        for s in context_results(per_mode, startup_s, ctx, info.device_name, args):
+        for s in context_results(per_mode, builds, ctx, info.device_name, args):
             mode = s["mode"]
             report["results"].append(s)
             if mode in traces.modes:
@@ -702,10 +731,11 @@ def main() -> None:
             traces.save(args.record_traces.format(context=ctx))
 
 
-def context_results(per_mode: dict[str, list[dict]], startup_s: dict[str, float], ctx: str,
+def context_results(per_mode: dict[str, list[dict]], builds: dict[str, dict], ctx: str,
                     device_name: str, args) -> list[dict]:
     """One context's summaries, in mode order, of the modes with runs (``per_mode``: mode ->
-    its runs, the median run summarized): every mode at the end, those measured so far when a
+    its runs, the median run summarized; ``builds``: mode -> start-up seconds and the requests
+    of this context its KV pool holds): every mode at the end, those measured so far when a
     partial JSON is written after each mode. Speedups against `ar`'s median where it ran."""
     done = [m for m, runs in per_mode.items() if runs]
     ar_runs = per_mode.get("ar")
@@ -727,7 +757,8 @@ def context_results(per_mode: dict[str, list[dict]], startup_s: dict[str, float]
     for mode in done:
         s = summaries[mode]
         s.update(context=ctx, batch=len(s["token_ids"]), device=device_name,
-                 startup_s=startup_s[mode], prefill_s=median[mode]["prefill_s"],
+                 startup_s=builds[mode]["startup_s"], pool_holds=builds[mode]["pool_holds"],
+                 prefill_s=median[mode]["prefill_s"],
                  run_wall_s=median[mode]["wall_s"])  # fmt: skip
         del s["token_ids"]
     return [summaries[m] for m in done]

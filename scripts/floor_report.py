@@ -7,6 +7,7 @@ lists in each layer; and how long the GPU sat idle in a step (wall time minus it
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -586,7 +587,8 @@ if __name__ == "__main__":  # the tables of stored bench_floor JSONs (their resu
     if not args:
         sys.exit("usage: python3 scripts/floor_report.py FLOOR.json [FLOOR.json ...] "
                  "[--plot PNG]")  # fmt: skip
-    reports = [json.load(open(path)) for path in args]
+    reports = [json.load(gzip.open(path, "rt") if path.endswith(".gz") else open(path))
+               for path in args]  # FLOOR.json or FLOOR.json.gz (docs/ keeps the large ones so)
     joined = [r for rep in reports for r in rep["results"]]
     batch = reports[0]["args"].get("batch")
     print(table(joined, reports[0]["bandwidth"]))

@@ -20,9 +20,12 @@
 #   bash scripts/gpu_runs.sh floor MODES [CONTEXT] [BATCH] [EXTRA...]
 #   bash scripts/gpu_runs.sh floor-shapes   (no model staged, one call after `bundle`: each step
 #     kind's graphs on random weights at SmolLM2's shape at 6,200 x 64 and Qwen2.5-0.5B's at
-#     30,000 x 64, with and without the switches: PDL and the fused merge (both on by
-#     default: nopdl, sepmerge), the refresh layer while drafting (norefresh), the o / down
-#     projections through kernels/linear.py (tlo, tlod))
+#     30,000 x 64, with and without the switches: the refresh layer while drafting
+#     (norefresh), the o / down projections through kernels/linear.py (tlo, tlod); `aspire`'s
+#     asynchronous steps profiled beside the rounds' (their kernels a replay); PDL and the
+#     fused merge, on by default, were timed against nopdl / sepmerge in §8.53 and §8.55)
+#   bash scripts/gpu_runs.sh floor-knobs [MODES]   (SmolLM2's `ar` step under the attention
+#     launch's settings: num_stages, num_warps, block_n, registers; random weights, one call)
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
 #     the kernels either side; bench_floor --gap-hosts at 30k x 64, few steps: stacks are slow)
 #   bash scripts/gpu_runs.sh diag [MODES] [CONTEXT] [BATCH] [EXTRA...]   (GPU idle, no profiler:
@@ -206,13 +209,21 @@ PY
       --context "$context" --batch "$batch" --out "$OUT/floor.json" "$@" ;;
   floor-shapes)  # graph replay times need no real weights (acceptance does: sweep for that)
     run_logged floor-smollm2 timeout 240 python3 scripts/bench_floor.py --dummy-shapes smollm2 \
-      --modes "ar,ar/nopdl,ar/sepmerge,ar/nopdl+sepmerge,ar/tlo,ar/tlod,magicdec/g7,magicdec/g7+nopdl+sepmerge,magicdec/g7+tlod,aspire_fixed/g7,aspire_fixed/g7+nopdl+sepmerge" \
+      --modes "ar,ar/tlo,ar/tlod,magicdec/g7,magicdec/g7+tlod,aspire_fixed/g7,aspire_fixed/g7+tlod" \
       --context 6200 --batch 64 --steps 30 --warmup 6 --profile-steps 4 \
       --out "$OUT/floor_smollm2_shapes.json"
     run_logged floor-qwen timeout 250 python3 scripts/bench_floor.py \
       --dummy-shapes qwen2.5-coder-0.5b --context 30000 --batch 64 --steps 24 --warmup 6 \
-      --modes "ar,ar/nopdl+sepmerge,magicdec/g8,magicdec/g8+nopdl+sepmerge,aspire_fixed/g8,aspire_fixed/g8+norefresh" \
+      --modes "ar,magicdec/g8,aspire_fixed/g8,aspire_fixed/g8+norefresh,aspire/norefresh" \
       --profile-steps 2 --out "$OUT/floor_qwen05b_shapes.json" ;;
+  floor-knobs)  # the attention launch's settings swept on SmolLM2's `ar` step (issue 14's
+    # ar <= 1.2x its floor: the attention is ~87% of that step at ~1.11x its KV bytes; bench
+    # variants bnN / nwN / nsN / rsN / regN, bench_decode.ATTENTION_KNOBS); no model needed
+    run_logged floor-knobs timeout 420 python3 scripts/bench_floor.py --dummy-shapes smollm2 \
+      --modes "${1:-ar,ar/ns2,ar/ns4,ar/nw2,ar/nw8,ar/bn64,ar/bn256,ar/reg96+rs5,ar/rs2}" \
+      --context 6200 --batch 64 --steps 30 --warmup 6 --profile-steps 0 \
+      --out "$OUT/floor_knobs.json"
+    grep -A40 "graph kind" "$OUT/floor-knobs.log" | head -20 ;;
   gaps)
     run_logged gaps python3 scripts/bench_floor.py --model "$MODEL" --modes "${1:-aspire/q4}" \
       --context 30000 --batch 64 --steps 30 --warmup 6 --profile-steps "${2:-6}" --gap-hosts \

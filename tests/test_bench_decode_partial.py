@@ -30,4 +30,8 @@ def test_a_run_that_fails_in_its_second_mode_keeps_the_first(tmp_path):
     # where a device call's time goes: the engine's start-up, the prompts, the whole run
     assert 0 < ar["prefill_s"] < ar["run_wall_s"] and ar["startup_s"] > 0
     assert "(start-up " in proc.stdout and ", prefill " in proc.stdout
+    # the requests of this context its KV pool holds, printed before the runs (--batch max
+    # sizes every mode's batch by the first mode's pool: a smaller one is warned of)
+    assert ar["pool_holds"] >= ar["batch"] == 2 and "its KV pool holds" in proc.stdout
+    assert "WARNING: batch" not in proc.stdout
     assert data["partial"] == "context 64: the modes up to ar"

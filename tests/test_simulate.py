@@ -206,6 +206,10 @@ def test_mode_variants(mods):
     assert (joined.ramp_pages, joined.min_chunk_pages, joined.fused_merge) == (48, 64, False)
     assert opts("aspire/rp32+norefresh") == ("aspire", {"attention_options": {"ramp_pages": 32},
                                                         "draft_refresh": False})
+    # the attention launch's knobs by number (ATTENTION_KNOBS): AttentionConfig fields
+    knobs = TritonBackend(**opts("ar/bn64+nw8+ns4+rs5+reg96")[1]["attention_options"]).config
+    assert (knobs.block_n, knobs.num_warps, knobs.num_stages, knobs.resident_programs,
+            knobs.max_registers) == (64, 8, 4, 5, 96)
     # the refresh switch: the engine option, and the traces' page policy that follows it
     assert opts("aspire/norefresh") == ("aspire", {"draft_refresh": False})
     policy_of = mods["traces"].policy_of
