@@ -124,6 +124,10 @@ def test_async_graphs_run_as_planned_steps(tiny_model_dir, refresh):
     assert _greedy(engine, max_tokens=7) == expected
     assert w.async_graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
     assert on_graphs == on_host and len(on_host) > 6  # the same drafts and verifications
+    # norefresh: the steps of draft rows only replayed their lean graphs (no rescoring), with
+    # the same drafts as the host's steps, which rescore every verify row
+    lean = w.async_graphs.lean_steps
+    assert (lean == 0) if refresh else (0 < lean < w.async_graphs.steps), lean
 
 
 @pytest.mark.slow
@@ -147,7 +151,7 @@ def test_sampled_async_graphs_run_as_planned_steps(tiny_model_dir):
     assert _mixed(engine, max_tokens=20) == expected
     graphs = w.async_graphs
     assert graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
-    assert any(v is not None for _, _, v in graphs.graphs), "no sampled graph variant ran"
+    assert any(v is not None for _, _, v, _ in graphs.graphs), "no sampled graph variant ran"
     assert graphs.runs_continued >= 2, (graphs.runs_started, graphs.runs_continued)
     assert on_graphs == on_host and len(on_host) > 6
     # the q read after a run are the snapshot's, whatever the steps started since wrote
@@ -301,9 +305,35 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
     graphs = use_eager_graphs(engine).async_graphs
     graphs.capture_all(3, engine.executor.worker.kv_caches)
-    assert {n for n, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
-    assert all(n <= t <= n * graphs.max_q and v is None for n, t, v in graphs.graphs)
-    assert {t for n, t, _ in graphs.graphs if n == 4} == {4, 8, 16}
+    assert {n for n, _, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
+    assert all(n <= t <= n * graphs.max_q and v is None and not lean
+               for n, t, v, lean in graphs.graphs)  # fmt: skip
+    assert {t for n, t, _, _ in graphs.graphs if n == 4} == {4, 8, 16}
+    # rescoring at verifications only (norefresh): each row bucket's lean graph too, for the
+    # steps of draft rows only (a query a row: n tokens)
+    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6, draft_refresh=False)
+    graphs = use_eager_graphs(engine).async_graphs
+    graphs.capture_all(3, engine.executor.worker.kv_caches)
+    lean = {(n, t) for n, t, _, x in graphs.graphs if x}
+    assert lean == {(n, n) for n in graphs.row_buckets if n <= 4}
+
+
+def test_a_lean_step_holds_draft_rows_only():
+    # a step's lean graph (no rescoring) only where no row verifies: every row one query at
+    # most, and no live row of draft length 0 (it verifies at every step, with one query)
+    from types import SimpleNamespace
+
+    from aspire_ray.worker.async_graphs import AsyncStepGraphs
+
+    def lean(queries, gammas, live, on=True):
+        graphs = SimpleNamespace(lean=on, gammas=gammas, live=live)
+        return AsyncStepGraphs.lean_step(graphs, queries)
+
+    assert lean([1, 1, 0], [3, 5, 0], [True, True, False])  # a padding row of length 0
+    assert not lean([1, 4, 1], [3, 3, 5], [True] * 3)  # a verification of 3 drafts
+    assert not lean([1, 1], [0, 3], [True, True])  # a live row of draft length 0
+    assert lean([0, 1], [0, 3], [False, True])  # ... stopped
+    assert not lean([1, 1], [3, 3], [True, True], on=False)  # refreshing: never lean
 
 
 def test_sampled_variants_are_captured_up_front_over_one_q_store(tiny_model_dir):
@@ -315,8 +345,8 @@ def test_sampled_variants_are_captured_up_front_over_one_q_store(tiny_model_dir)
     engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6)
     graphs = use_eager_graphs(engine).async_graphs
     graphs.capture_all(4, engine.executor.worker.kv_caches, sampled=True)
-    greedy = {(n, t) for n, t, v in graphs.graphs if v is None}
-    assert {(n, t, v) for n, t in greedy for v in SAMPLED_VARIANTS} < set(graphs.graphs)
+    greedy = {(n, t) for n, t, v, _ in graphs.graphs if v is None}
+    assert {(n, t, v, False) for n, t in greedy for v in SAMPLED_VARIANTS} < set(graphs.graphs)
     store, snap = graphs.rows_q.data
     for n in graphs.q_store:
         assert graphs.q_store[n].data_ptr() == store.data_ptr() and graphs.q_store[n].shape[1] == n
@@ -340,7 +370,7 @@ def test_a_sampled_run_needs_room_for_its_q_store(tiny_model_dir, monkeypatch):
                         lambda device: graphs.rows_q.nbytes)  # fmt: skip
     assert graphs.fits(2, layout) and not graphs.fits(2, layout, sampled=True)
     out = _mixed(engine, max_tokens=6)  # host-planned sampled runs
-    assert all(v is None for _, _, v in graphs.graphs), "a sampled graph variant was captured"
+    assert all(v is None for _, _, v, _ in graphs.graphs), "a sampled graph variant was captured"
     assert engine.stats()["step_kinds"].get("async", 0) >= 6
     assert [len(t) for t in out.values()] == [6, 9, 12, 15]
 

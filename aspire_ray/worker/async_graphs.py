@@ -71,7 +71,7 @@ class AsyncStepGraphs:
                  page_table: PageTable, scores: PageScoreTable | None, max_rows: int,
                  max_drafts: int, fused_rows: bool = True,
                  spare: int = SPARE_BYTES, coupled: bool = False,
-                 refresh: bool = True) -> None:  # fmt: skip
+                 refresh: bool = True, lean: bool = True) -> None:  # fmt: skip
         """selector: the draft page policy; with one that reads scores (scores given) every
         row rescores its pages at the refresh layer (refresh while drafting); max_drafts:
         the most drafts a row holds (a verify row has one query more); fused_rows: rows
@@ -79,13 +79,17 @@ class AsyncStepGraphs:
         leaves free (``device_memory.RowStore``); coupled: sampled rows draft and verify on
         one noise (``SpecConfig.coupled_sampling``), no q kept; refresh: with scores, draft
         rows rescore at the refresh layer too (``SpecConfig.refresh_while_drafting``), else
-        verify rows only."""
+        verify rows only; lean: then the steps that hold no verify row replay a graph without
+        the rescoring (``EngineConfig.async_lean_steps``, ``lean_step``)."""
         self.fused_rows, self.coupled = fused_rows, coupled
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer = selector, refresh_layer
         self.scoring = scores is not None  # verify rows rescore their pages at l_r
         self.refresh = self.scoring and refresh  # ... and draft rows too, over every page
+        # a step of draft rows only rescores nothing without the refresh: its lean graph
+        # leaves the rescoring out (the same tokens and scores, fewer launches)
+        self.lean = lean and self.scoring and not self.refresh
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
         self.row_buckets = row_buckets(self.pieces.buckets, max_rows)
@@ -108,13 +112,19 @@ class AsyncStepGraphs:
         self.q_snap: dict[int, torch.Tensor] = {}  # n -> its snapshot, [:, :n]
         # the rows on the device: their sampling variant (None: greedy) and row bucket
         self.variant, self.loaded = None, 0
-        self.graphs: dict[tuple, object] = {}  # (n, t, variant) -> graph
-        self.argmax: dict[tuple, torch.Tensor] = {}  # (n, t, variant) -> int64 [t] choices
+        self.graphs: dict[tuple, object] = {}  # (n, t, variant, lean) -> graph
+        self.argmax: dict[tuple, torch.Tensor] = {}  # (n, t, variant, lean) -> int64 [t]
+        # the device rows' draft lengths and whether they are live, as the host set them (a
+        # row of draft length 0 verifies with one query, which the layout does not tell
+        # from a draft row's: ``lean_step``)
+        self.gammas: list[int] = []
+        self.live: list[bool] = []
         self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
         self._key = None
         self._pool_pages = 0
         self._layouts: torch.Tensor | None = None  # int32 [3, W + 1]: policy_layout
         self.steps = 0  # steps replayed
+        self.lean_steps = 0  # of them, lean ones (no verify row, no rescoring)
         # the request of each row of the state on the device (None: padding, or a row that
         # stopped): rows of a run continued on the device keep their places
         self.row_ids: list[str | None] = []
@@ -145,16 +155,17 @@ class AsyncStepGraphs:
                 tuple(self.page_table.table.shape),
                 None if scores is None else (scores.data_ptr(), tuple(scores.shape)))
 
-    def ensure(self, n: int, t: int, kv_caches: list[torch.Tensor], variant=None) -> None:
-        """Graph (n, t) of this sampling variant, captured against the current tables
-        (recaptured if they moved)."""
+    def ensure(self, n: int, t: int, kv_caches: list[torch.Tensor], variant=None,
+               lean: bool = False) -> None:  # fmt: skip
+        """Graph (n, t) of this sampling variant (lean: its steps of draft rows only,
+        ``lean_step``), captured against the current tables (recaptured if they moved)."""
         key = self._tables_key(kv_caches)
         if key != self._key:
             self.graphs.clear()
             self.argmax.clear()
             self.plans.clear()  # capacities follow the pool
             self._key, self._pool_pages = key, kv_caches[0].shape[0]
-        if (n, t, variant) in self.graphs:
+        if (n, t, variant, lean) in self.graphs:
             return
         p = self.pieces
         with torch.inference_mode():
@@ -168,9 +179,9 @@ class AsyncStepGraphs:
                 self.fstate[n] = torch.ones(2, n, dtype=torch.float32, device=p.device)
                 self.q_store[n], self.q_snap[n] = self.rows_q.view(n, 0), self.rows_q.view(n, 1)
             self._layout(self.page_table.table.shape[1])
-            fn = lambda: self._step(n, t, kv_caches, variant)  # noqa: E731
+            fn = lambda: self._step(n, t, kv_caches, variant, lean)  # noqa: E731
             graph, out = p.capture_idle(fn, [self.state[n]], "async")
-        self.graphs[n, t, variant], self.argmax[n, t, variant] = graph, out
+        self.graphs[n, t, variant, lean], self.argmax[n, t, variant, lean] = graph, out
 
     def capture_all(self, rows: int, kv_caches: list[torch.Tensor],
                     sampled: bool = False) -> None:  # fmt: skip
@@ -188,10 +199,13 @@ class AsyncStepGraphs:
         variants = [None] + (SAMPLED_VARIANTS if sampled else [])
         for n in reversed([b for b in self.row_buckets if b <= top]):
             for t in reversed(self.pieces.buckets):
-                if n <= t <= n * self.max_q:
-                    for variant in variants:
-                        if variant is None or self.q_store_fits():
-                            self.ensure(n, t, kv_caches, variant)
+                # lean graphs (draft rows only): at t = n, a query a row of a full bucket; a
+                # step with fewer live rows (some stopped) captures its own at first use
+                for lean in [x for x in (False, True) if x <= self.lean]:
+                    if n <= t <= n * self.max_q and (not lean or t == n):
+                        for variant in variants:
+                            if variant is None or self.q_store_fits():
+                                self.ensure(n, t, kv_caches, variant, lean)
 
     def _plan(self, n: int, t: int, full: bool) -> FixedPlan:
         if (n, t, full) not in self.plans:
@@ -206,7 +220,8 @@ class AsyncStepGraphs:
         return self.plans[n, t, full]
 
     # ---- the captured step ---------------------------------------------------------------------
-    def _step(self, n: int, t: int, kv_caches: list[torch.Tensor], variant) -> torch.Tensor:
+    def _step(self, n: int, t: int, kv_caches: list[torch.Tensor], variant,
+              lean: bool = False) -> torch.Tensor:  # fmt: skip
         state, chain = self.state[n], self.chain[n]
         slot, flags, gamma, held, x_id, x_pos = state
         table = self.page_table.table  # int32 [slots, W]
@@ -231,7 +246,7 @@ class AsyncStepGraphs:
             meta.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
 
         layers, lr, sg = self.model.layers, self.refresh_layer, self.step_graphs
-        if not self.scoring:
+        if not self.scoring or lean:  # lean: draft rows only, no page of theirs rescored
             hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
@@ -301,10 +316,12 @@ class AsyncStepGraphs:
         sampled rows' drafts held at the end)."""
         n = next(b for b in self.row_buckets if b >= len(rows))
         variant = sampling_variant(specs) if specs is not None else None
-        buckets = [self.pieces.bucket(sum(q)) for q in layout]
+        self.gammas = [row.async_gamma for row in rows] + [0] * (n - len(rows))
+        self.live = [True] * len(rows) + [False] * (n - len(rows))
+        keys = {(self.pieces.bucket(sum(q)), self.lean_step(q)) for q in layout}
         sync_tables(self.page_table, self.scores)
-        for t in sorted(set(buckets), reverse=True):
-            self.ensure(n, t, kv_caches, variant)
+        for t, lean in sorted(keys, reverse=True):
+            self.ensure(n, t, kv_caches, variant, lean)
         state = np.zeros((6, n), dtype=np.int64)
         chain = np.zeros((self.chain[n].shape[0], n), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -360,7 +377,11 @@ class AsyncStepGraphs:
             return False
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            if t is None or (n, t, self.variant) not in self.graphs or max(q) > self.max_q:
+            # the draft lengths are set after this check (``set_rows``): a step that may be
+            # lean needs both graphs
+            lean = (False, True) if self.lean and max(q, default=0) <= 1 else (False,)
+            if t is None or max(q) > self.max_q \
+                    or any((n, t, self.variant, x) not in self.graphs for x in lean):  # fmt: skip
                 return False
         return True
 
@@ -369,9 +390,11 @@ class AsyncStepGraphs:
         no page, no KV written). Stream-ordered: steps replayed before are unaffected."""
         dev = self.pieces.device
         upload(np.asarray(gammas, dtype=np.int64), dev, self.state[n][2])
+        self.gammas = list(gammas)
         if keep is not None:
             self.state[n][1].mul_(upload(np.asarray(keep, dtype=np.int64), dev))
             self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=True)]
+            self.live = [x and k for x, k in zip(self.live, keep, strict=True)]
 
     def replay(self, n: int, layout: list[list[int]]) -> list[torch.Tensor]:
         """Steps from the state on the device (``ready``; layout[s][r]: device row r's queries
@@ -379,12 +402,20 @@ class AsyncStepGraphs:
         [sum(layout[s])], on the device, no sync."""
         outs = []
         for q in layout:
-            t = self.pieces.bucket(sum(q))
-            graph = self.graphs[n, t, self.variant]
+            key = (n, self.pieces.bucket(sum(q)), self.variant, self.lean_step(q))
+            graph = self.graphs[key]
             if CLOCK.enabled:  # its step kind for the clock: draft rows only, or verify rows
                 # in it (they read their whole KV: the two costs differ ~2.5x at 32k)
                 graph.kind = "async_verify" if max(q, default=0) > 1 else "async"
             graph.replay()
-            outs.append(self.argmax[n, t, self.variant][: sum(q)].clone())
+            outs.append(self.argmax[key][: sum(q)].clone())
+            self.lean_steps += key[3]
         self.steps += len(layout)
         return outs
+
+    def lean_step(self, queries: list[int]) -> bool:
+        """Whether a step of these queries per device row holds no verify row, so that its
+        lean graph runs it: every row one query at most, and no live row of draft length 0
+        (whose every step is a verification of one query)."""
+        return self.lean and max(queries, default=0) <= 1 \
+            and not any(g == 0 and x for g, x in zip(self.gammas, self.live, strict=True))

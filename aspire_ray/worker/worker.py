@@ -195,7 +195,8 @@ class Worker:
                                self.page_table, self.scores, self.cfg.scheduler.max_num_seqs,
                                spec.max_drafts, self.cfg.fused_row_planning,
                                spare=self.store_spare, coupled=spec.coupled_sampling,
-                               refresh=spec.refresh_while_drafting)  # fmt: skip
+                               refresh=spec.refresh_while_drafting,
+                               lean=self.cfg.async_lean_steps)  # fmt: skip
 
     def _refresh_layer(self) -> int:
         n = self.arch.num_layers
