@@ -126,6 +126,9 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     "slotsampled": {"slot_sampled": True},
     # sampled drafts and verifications on one noise (SpecConfig.coupled_sampling)
     "coupled": {"coupled_sampling": True},
+    # every step of an asynchronous run on the full graph, draft-only steps too
+    # (EngineConfig.async_lean_steps: their lean graph skips the rescoring without refresh)
+    "nolean": {"async_lean_steps": False},
     # sampled graph variants captured at their first use, not at start-up
     # (EngineConfig.sampled_graphs_at_start)
     "lazysampled": {"sampled_graphs_at_start": False},
@@ -637,10 +640,15 @@ def main() -> None:
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         builds: dict[str, dict] = {}  # mode -> its LLM's start-up seconds, the pool's room
         traces = Traces({}, {}, [])
+        batch = MAX_BATCH  # --batch max: the first mode's pool sets it for the context
         for mode in modes:
             _set_env(mode_env(mode))  # its kernel switches, for its build and runs (ENV_VARIANTS)
             kw = {"model": args.model, "load_format": args.load_format, **extra}
-            max_seqs = MAX_BATCH if args.batch == "max" else max(int(args.batch), 1)
+            if args.batch != "max":
+                max_seqs = max(int(args.batch), 1)
+            else:  # the first mode's pool sizes the batch; the others are built for that batch
+                # (their graphs and step workspace for its rows, not MAX_BATCH's)
+                max_seqs = batch
             spec_mode, options = mode_options(mode)
             if args.prefill_sdpa != "off" and not options.get("deterministic"):
                 # prompts faster (the decode window is what is timed; never in det modes)

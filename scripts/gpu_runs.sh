@@ -214,7 +214,7 @@ PY
       --out "$OUT/floor_smollm2_shapes.json"
     run_logged floor-qwen timeout 250 python3 scripts/bench_floor.py \
       --dummy-shapes qwen2.5-coder-0.5b --context 30000 --batch 64 --steps 24 --warmup 6 \
-      --modes "ar,magicdec/g8,aspire_fixed/g8,aspire_fixed/g8+norefresh,aspire/norefresh" \
+      --modes "ar,magicdec/g8,aspire_fixed/g8,aspire_fixed/g8+norefresh,aspire/norefresh,aspire/norefresh+nolean" \
       --profile-steps 2 --out "$OUT/floor_qwen05b_shapes.json" ;;
   floor-knobs)  # the attention launch's settings swept on SmolLM2's `ar` step (issue 14's
     # ar <= 1.2x its floor: the attention is ~87% of that step at ~1.11x its KV bytes; bench
