@@ -213,7 +213,7 @@ PY
       --modes "ar,ar/tlo,ar/tlod,magicdec/g7,magicdec/g7+tlod,aspire_fixed/g7,aspire_fixed/g7+tlod" \
       --context 6200 --batch 64 --steps 30 --warmup 6 --profile-steps 4 \
       --out "$OUT/floor_smollm2_shapes.json"
-    run_logged floor-qwen timeout 250 python3 scripts/bench_floor.py \
+    run_logged floor-qwen timeout 320 python3 scripts/bench_floor.py \
       --dummy-shapes qwen2.5-coder-0.5b --context 30000 --batch 64 --steps 24 --warmup 6 \
       --modes "ar,ar/tlod,magicdec/g8,aspire_fixed/g8+norefresh,aspire_fixed/g8+norefresh+tlod,aspire/norefresh,aspire/norefresh+nolean" \
       --profile-steps 2 --out "$OUT/floor_qwen05b_shapes.json" ;;
