@@ -664,7 +664,7 @@ def main() -> None:
             if args.batch != "max":
                 batch = int(args.batch)
             elif mode == modes[0]:  # every mode of a context decodes the same batch
-                batch = largest_batch(llm, ctx, args)
+                batch = holds if holds is not None else largest_batch(llm, ctx, args)  # refuses
             builds[mode]["pool_holds"] = holds
             # printed before the runs: a call cut short still says where its time went
             print(f"[{ctx} {mode}] start-up {builds[mode]['startup_s']:.0f} s; its KV pool "

@@ -326,7 +326,8 @@ def test_a_lean_step_holds_draft_rows_only():
     from aspire_ray.worker.async_graphs import AsyncStepGraphs
 
     def lean(queries, gammas, live, on=True):
-        graphs = SimpleNamespace(lean=on, gammas=gammas, live=live)
+        graphs = SimpleNamespace(lean=on)
+        AsyncStepGraphs._set_gammas(graphs, gammas, live)
         return AsyncStepGraphs.lean_step(graphs, queries)
 
     assert lean([1, 1, 0], [3, 5, 0], [True, True, False])  # a padding row of length 0

@@ -114,11 +114,12 @@ class AsyncStepGraphs:
         self.variant, self.loaded = None, 0
         self.graphs: dict[tuple, object] = {}  # (n, t, variant, lean) -> graph
         self.argmax: dict[tuple, torch.Tensor] = {}  # (n, t, variant, lean) -> int64 [t]
-        # the device rows' draft lengths and whether they are live, as the host set them (a
-        # row of draft length 0 verifies with one query, which the layout does not tell
-        # from a draft row's: ``lean_step``)
+        # the device rows' draft lengths and whether they are live, as the host set them, and
+        # whether a live row has draft length 0 (it verifies with one query, which the layout
+        # does not tell from a draft row's: ``lean_step``), kept as they change, not per step
         self.gammas: list[int] = []
         self.live: list[bool] = []
+        self.plain_rows = False
         self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
         self._key = None
         self._pool_pages = 0
@@ -201,7 +202,7 @@ class AsyncStepGraphs:
             for t in reversed(self.pieces.buckets):
                 # lean graphs (draft rows only): at t = n, a query a row of a full bucket; a
                 # step with fewer live rows (some stopped) captures its own at first use
-                for lean in [x for x in (False, True) if x <= self.lean]:
+                for lean in (False, True) if self.lean else (False,):
                     if n <= t <= n * self.max_q and (not lean or t == n):
                         for variant in variants:
                             if variant is None or self.q_store_fits():
@@ -316,8 +317,8 @@ class AsyncStepGraphs:
         sampled rows' drafts held at the end)."""
         n = next(b for b in self.row_buckets if b >= len(rows))
         variant = sampling_variant(specs) if specs is not None else None
-        self.gammas = [row.async_gamma for row in rows] + [0] * (n - len(rows))
-        self.live = [True] * len(rows) + [False] * (n - len(rows))
+        self._set_gammas([row.async_gamma for row in rows] + [0] * (n - len(rows)),
+                         [True] * len(rows) + [False] * (n - len(rows)))  # fmt: skip
         keys = {(self.pieces.bucket(sum(q)), self.lean_step(q)) for q in layout}
         sync_tables(self.page_table, self.scores)
         for t, lean in sorted(keys, reverse=True):
@@ -390,11 +391,16 @@ class AsyncStepGraphs:
         no page, no KV written). Stream-ordered: steps replayed before are unaffected."""
         dev = self.pieces.device
         upload(np.asarray(gammas, dtype=np.int64), dev, self.state[n][2])
-        self.gammas = list(gammas)
+        live = self.live
         if keep is not None:
             self.state[n][1].mul_(upload(np.asarray(keep, dtype=np.int64), dev))
             self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=True)]
-            self.live = [x and k for x, k in zip(self.live, keep, strict=True)]
+            live = [x and k for x, k in zip(live, keep, strict=True)]
+        self._set_gammas(list(gammas), live)
+
+    def _set_gammas(self, gammas: list[int], live: list[bool]) -> None:
+        self.gammas, self.live = gammas, live
+        self.plain_rows = any(g == 0 and x for g, x in zip(gammas, live, strict=True))
 
     def replay(self, n: int, layout: list[list[int]]) -> list[torch.Tensor]:
         """Steps from the state on the device (``ready``; layout[s][r]: device row r's queries
@@ -417,5 +423,4 @@ class AsyncStepGraphs:
         """Whether a step of these queries per device row holds no verify row, so that its
         lean graph runs it: every row one query at most, and no live row of draft length 0
         (whose every step is a verification of one query)."""
-        return self.lean and max(queries, default=0) <= 1 \
-            and not any(g == 0 and x for g, x in zip(self.gammas, self.live, strict=True))
+        return self.lean and not self.plain_rows and max(queries, default=0) <= 1
