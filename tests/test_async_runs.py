@@ -124,10 +124,10 @@ def test_async_graphs_run_as_planned_steps(tiny_model_dir, refresh):
     assert _greedy(engine, max_tokens=7) == expected
     assert w.async_graphs.steps >= 12, "too few steps replayed by the asynchronous graphs"
     assert on_graphs == on_host and len(on_host) > 6  # the same drafts and verifications
-    # norefresh: the steps of draft rows only replayed their lean graphs (no rescoring), with
-    # the same drafts as the host's steps, which rescore every verify row
+    # the steps of draft rows only replayed their lean graphs (one query tile; norefresh: no
+    # rescoring), with the same drafts as the host's steps, which rescore every verify row
     lean = w.async_graphs.lean_steps
-    assert (lean == 0) if refresh else (0 < lean < w.async_graphs.steps), lean
+    assert 0 < lean < w.async_graphs.steps, lean
 
 
 @pytest.mark.slow
@@ -306,16 +306,25 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     graphs = use_eager_graphs(engine).async_graphs
     graphs.capture_all(3, engine.executor.worker.kv_caches)
     assert {n for n, _, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
-    assert all(n <= t <= n * graphs.max_q and v is None and not lean
-               for n, t, v, lean in graphs.graphs)  # fmt: skip
+    assert all(n <= t <= n * graphs.max_q and v is None for n, t, v, _ in graphs.graphs)
     assert {t for n, t, _, _ in graphs.graphs if n == 4} == {4, 8, 16}
-    # rescoring at verifications only (norefresh): each row bucket's lean graph too, for the
-    # steps of draft rows only (a query a row: n tokens)
-    engine = _engine(tiny_model_dir("llama"), "aspire", async_steps=6, draft_refresh=False)
-    graphs = use_eager_graphs(engine).async_graphs
-    graphs.capture_all(3, engine.executor.worker.kv_caches)
-    lean = {(n, t) for n, t, _, x in graphs.graphs if x}
-    assert lean == {(n, n) for n in graphs.row_buckets if n <= 4}
+    # with or without the refresh, each row bucket's lean graph too, for the steps of draft
+    # rows only (a query a row: n tokens); their attention is one launch of one query's tile,
+    # not a second, empty one for verify rows' wide tile (4 query heads a KV head: 16- and
+    # 32-row tiles)
+    for refresh in (True, False):
+        engine = _engine(tiny_model_dir("llama_3l"), "aspire", async_steps=6,
+                         draft_refresh=refresh)  # fmt: skip
+        graphs = use_eager_graphs(engine).async_graphs
+        graphs.capture_all(3, engine.executor.worker.kv_caches)
+        lean = {(n, t) for n, t, _, x in graphs.graphs if x}
+        assert lean == {(n, n) for n in graphs.row_buckets if n <= 4}
+        launches = {lean: set() for lean in (False, True)}
+        for (_, _, _, lean), plan in graphs.plans.items():
+            launches[lean].add(tuple(launch.block_m for launch in plan.plan.launches))
+        assert len(launches[True]) == 1 and len(next(iter(launches[True]))) == 1, launches
+        assert all(len(bms) == 2 for bms in launches[False]), launches
+        assert next(iter(launches[True]))[0] == min(next(iter(launches[False]))), launches
 
 
 def test_a_lean_step_holds_draft_rows_only():
@@ -334,7 +343,7 @@ def test_a_lean_step_holds_draft_rows_only():
     assert not lean([1, 4, 1], [3, 3, 5], [True] * 3)  # a verification of 3 drafts
     assert not lean([1, 1], [0, 3], [True, True])  # a live row of draft length 0
     assert lean([0, 1], [0, 3], [False, True])  # ... stopped
-    assert not lean([1, 1], [3, 3], [True, True], on=False)  # refreshing: never lean
+    assert not lean([1, 1], [3, 3], [True, True], on=False)  # lean steps off (nolean)
 
 
 def test_sampled_variants_are_captured_up_front_over_one_q_store(tiny_model_dir):

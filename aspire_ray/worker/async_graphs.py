@@ -79,17 +79,20 @@ class AsyncStepGraphs:
         leaves free (``device_memory.RowStore``); coupled: sampled rows draft and verify on
         one noise (``SpecConfig.coupled_sampling``), no q kept; refresh: with scores, draft
         rows rescore at the refresh layer too (``SpecConfig.refresh_while_drafting``), else
-        verify rows only; lean: then the steps that hold no verify row replay a graph without
-        the rescoring (``EngineConfig.async_lean_steps``, ``lean_step``)."""
+        verify rows only; lean: the steps that hold no verify row replay a graph of their own
+        (``EngineConfig.async_lean_steps``, ``lean_step``): one query tile's attention launch a
+        layer, not one more for verify rows' wide tile (an empty launch of ~1,000 programs
+        there), and without the refresh no rescoring."""
         self.fused_rows, self.coupled = fused_rows, coupled
         self.step_graphs, self.pieces = step_graphs, step_graphs.pieces
         self.model = self.pieces.model
         self.selector, self.refresh_layer = selector, refresh_layer
         self.scoring = scores is not None  # verify rows rescore their pages at l_r
         self.refresh = self.scoring and refresh  # ... and draft rows too, over every page
-        # a step of draft rows only rescores nothing without the refresh: its lean graph
-        # leaves the rescoring out (the same tokens and scores, fewer launches)
-        self.lean = lean and self.scoring and not self.refresh
+        # a step of draft rows only needs no wide query tile, and without the refresh it
+        # rescores nothing: its lean graph leaves both out (the same tokens and scores, fewer
+        # launches)
+        self.lean = lean
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
         self.row_buckets = row_buckets(self.pieces.buckets, max_rows)
@@ -120,12 +123,12 @@ class AsyncStepGraphs:
         self.gammas: list[int] = []
         self.live: list[bool] = []
         self.plain_rows = False
-        self.plans: dict[tuple[int, int, bool], FixedPlan] = {}  # (n, t, full lists)
+        self.plans: dict[tuple[int, int, bool, bool], FixedPlan] = {}  # (n, t, full, lean)
         self._key = None
         self._pool_pages = 0
         self._layouts: torch.Tensor | None = None  # int32 [3, W + 1]: policy_layout
         self.steps = 0  # steps replayed
-        self.lean_steps = 0  # of them, lean ones (no verify row, no rescoring)
+        self.lean_steps = 0  # of them, lean ones (no verify row: one query tile)
         # the request of each row of the state on the device (None: padding, or a row that
         # stopped): rows of a run continued on the device keep their places
         self.row_ids: list[str | None] = []
@@ -208,17 +211,20 @@ class AsyncStepGraphs:
                             if variant is None or self.q_store_fits():
                                 self.ensure(n, t, kv_caches, variant, lean)
 
-    def _plan(self, n: int, t: int, full: bool) -> FixedPlan:
-        if (n, t, full) not in self.plans:
+    def _plan(self, n: int, t: int, full: bool, lean: bool = False) -> FixedPlan:
+        """The attention plan of (n, t)'s sparse or full lists: rows of 1..max_q queries in two
+        launches (draft rows' tile, verify rows' widest), or for a lean step rows of one
+        query at most in one launch (draft rows only: ``lean_step``)."""
+        if (n, t, full, lean) not in self.plans:
             from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
 
             attn = self.model.layers[0].self_attn
             largest = max(self.plans.values(), key=lambda p: p.plan.part_rows, default=None)
-            self.plans[n, t, full] = FixedPlan.for_rows(
-                n, t, self.max_q, self._pool_pages, attn.q_heads, attn.kv_heads, attn.head_dim,
-                self.pieces.device, self.step_graphs.config, share=largest,
-                wide_tiles=True)  # fmt: skip
-        return self.plans[n, t, full]
+            self.plans[n, t, full, lean] = FixedPlan.for_rows(
+                n, t, 1 if lean else self.max_q, self._pool_pages, attn.q_heads,
+                attn.kv_heads, attn.head_dim, self.pieces.device, self.step_graphs.config,
+                share=largest, wide_tiles=not lean)  # fmt: skip
+        return self.plans[n, t, full, lean]
 
     # ---- the captured step ---------------------------------------------------------------------
     def _step(self, n: int, t: int, kv_caches: list[torch.Tensor], variant,
@@ -237,7 +243,7 @@ class AsyncStepGraphs:
                        fused=self.fused_rows)  # fmt: skip
         qo, last, indptr = rp["qo"], rp["last"], rp["indptr"]
         n_q, pages, end, verify, row_slot, live = rp["rows"]
-        plan = self._plan(n, t, full=False)
+        plan = self._plan(n, t, full=False, lean=lean)
         plan.load_rows(indptr, last, n_q, ps)
         meta = PagedKVMeta(qo, indptr, rp["indices"], last, ps, fixed_plan=plan)
         choice = None
@@ -247,7 +253,8 @@ class AsyncStepGraphs:
             meta.kv_indices = self._choose(choice, (flags & _SCORED) > 0)
 
         layers, lr, sg = self.model.layers, self.refresh_layer, self.step_graphs
-        if not self.scoring or lean:  # lean: draft rows only, no page of theirs rescored
+        # without the refresh, a lean step's draft rows rescore no page
+        if not self.scoring or (lean and not self.refresh):
             hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
@@ -256,7 +263,7 @@ class AsyncStepGraphs:
             # the step's own lists, a verify row's being all its pages already
             lists, scored = meta, live_rows & verify_rows
             if self.refresh:
-                full_plan = self._plan(n, t, full=True)
+                full_plan = self._plan(n, t, full=True, lean=lean)
                 full_plan.load_rows(rp["full_indptr"], last, n_q, ps)
                 lists = PagedKVMeta(qo, rp["full_indptr"], rp["full_indices"], last, ps,
                                     fixed_plan=full_plan)  # fmt: skip
@@ -378,11 +385,8 @@ class AsyncStepGraphs:
             return False
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            # the draft lengths are set after this check (``set_rows``): a step that may be
-            # lean needs both graphs
-            lean = (False, True) if self.lean and max(q, default=0) <= 1 else (False,)
-            if t is None or max(q) > self.max_q \
-                    or any((n, t, self.variant, x) not in self.graphs for x in lean):  # fmt: skip
+            # every step has its full graph; a lean one replays where captured (``replay``)
+            if t is None or max(q) > self.max_q or (n, t, self.variant, False) not in self.graphs:
                 return False
         return True
 
@@ -409,6 +413,8 @@ class AsyncStepGraphs:
         outs = []
         for q in layout:
             key = (n, self.pieces.bucket(sum(q)), self.variant, self.lean_step(q))
+            if key not in self.graphs:  # a continued run's lean step not captured: the full
+                key = key[:3] + (False,)  # graph runs it alike, a launch more a layer
             graph = self.graphs[key]
             if CLOCK.enabled:  # its step kind for the clock: draft rows only, or verify rows
                 # in it (they read their whole KV: the two costs differ ~2.5x at 32k)
