@@ -328,20 +328,22 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
 
 
 def test_a_lean_step_holds_draft_rows_only():
-    # a step's lean graph (no rescoring) only where no row verifies: every row one query at
-    # most, and no live row of draft length 0 (it verifies at every step, with one query)
+    # a step's lean graph (one query tile; without the refresh no rescoring) only where no
+    # row verifies: every row one query at most, and without the refresh no live row of draft
+    # length 0 (it verifies at every step, with one query, and must rescore)
     from types import SimpleNamespace
 
     from aspire_ray.worker.async_graphs import AsyncStepGraphs
 
-    def lean(queries, gammas, live, on=True):
-        graphs = SimpleNamespace(lean=on)
+    def lean(queries, gammas, live, on=True, refresh=False):
+        graphs = SimpleNamespace(lean=on, skips_rescoring=not refresh)
         AsyncStepGraphs._set_gammas(graphs, gammas, live)
         return AsyncStepGraphs.lean_step(graphs, queries)
 
     assert lean([1, 1, 0], [3, 5, 0], [True, True, False])  # a padding row of length 0
     assert not lean([1, 4, 1], [3, 3, 5], [True] * 3)  # a verification of 3 drafts
-    assert not lean([1, 1], [0, 3], [True, True])  # a live row of draft length 0
+    assert not lean([1, 1], [0, 3], [True, True])  # a live row of draft length 0 ...
+    assert lean([1, 1], [0, 3], [True, True], refresh=True)  # ... rescored there
     assert lean([0, 1], [0, 3], [False, True])  # ... stopped
     assert not lean([1, 1], [3, 3], [True, True], on=False)  # lean steps off (nolean)
 

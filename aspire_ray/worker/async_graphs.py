@@ -93,6 +93,7 @@ class AsyncStepGraphs:
         # rescores nothing: its lean graph leaves both out (the same tokens and scores, fewer
         # launches)
         self.lean = lean
+        self.skips_rescoring = self.scoring and not self.refresh  # ... in a lean step
         self.page_table, self.scores = page_table, scores
         self.max_drafts, self.max_q = max_drafts, max_drafts + 1
         self.row_buckets = row_buckets(self.pieces.buckets, max_rows)
@@ -254,7 +255,7 @@ class AsyncStepGraphs:
 
         layers, lr, sg = self.model.layers, self.refresh_layer, self.step_graphs
         # without the refresh, a lean step's draft rows rescore no page
-        if not self.scoring or (lean and not self.refresh):
+        if not self.scoring or (lean and self.skips_rescoring):
             hidden = sg.layers(t, 0, len(layers), meta, kv_caches)
         else:
             sg.layers(t, 0, lr, meta, kv_caches)
@@ -377,16 +378,20 @@ class AsyncStepGraphs:
         return list(snap[:held, row].clone().unbind(0)) if held > 0 else []
 
     # ---- a run continued on the device ---------------------------------------------------------
-    def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor]) -> bool:
-        """Whether the state on the device (``n`` rows) can run steps of this layout without a
-        capture (a capture zeroes the state): the tables did not move, every graph exists."""
+    def ready(self, n: int, layout: list[list[int]], kv_caches: list[torch.Tensor],
+              gammas: list[int], keep: list[bool] | None = None) -> bool:  # fmt: skip
+        """Whether the state on the device (``n`` rows) can run steps of this layout, with
+        the rows set so (``set_rows``' arguments), without a capture (a capture zeroes the
+        state): the tables did not move, every step's graph exists (a lean one for a step of
+        draft rows only: ``lean_step``)."""
         sync_tables(self.page_table, self.scores)
         if self._tables_key(kv_caches) != self._key or n not in self.state:
             return False
+        plain = _plain_rows(gammas, self._live_after(keep))
         for q in layout:
             t = self.pieces.bucket(sum(q))
-            # every step has its full graph; a lean one replays where captured (``replay``)
-            if t is None or max(q) > self.max_q or (n, t, self.variant, False) not in self.graphs:
+            if t is None or max(q) > self.max_q \
+                    or (n, t, self.variant, self.lean_step(q, plain)) not in self.graphs:
                 return False
         return True
 
@@ -395,16 +400,19 @@ class AsyncStepGraphs:
         no page, no KV written). Stream-ordered: steps replayed before are unaffected."""
         dev = self.pieces.device
         upload(np.asarray(gammas, dtype=np.int64), dev, self.state[n][2])
-        live = self.live
         if keep is not None:
             self.state[n][1].mul_(upload(np.asarray(keep, dtype=np.int64), dev))
             self.row_ids = [rid if k else None for rid, k in zip(self.row_ids, keep, strict=True)]
-            live = [x and k for x, k in zip(live, keep, strict=True)]
-        self._set_gammas(list(gammas), live)
+        self._set_gammas(list(gammas), self._live_after(keep))
+
+    def _live_after(self, keep: list[bool] | None) -> list[bool]:
+        if keep is None:
+            return self.live
+        return [x and k for x, k in zip(self.live, keep, strict=True)]
 
     def _set_gammas(self, gammas: list[int], live: list[bool]) -> None:
         self.gammas, self.live = gammas, live
-        self.plain_rows = any(g == 0 and x for g, x in zip(gammas, live, strict=True))
+        self.plain_rows = _plain_rows(gammas, live)
 
     def replay(self, n: int, layout: list[list[int]]) -> list[torch.Tensor]:
         """Steps from the state on the device (``ready``; layout[s][r]: device row r's queries
@@ -413,8 +421,6 @@ class AsyncStepGraphs:
         outs = []
         for q in layout:
             key = (n, self.pieces.bucket(sum(q)), self.variant, self.lean_step(q))
-            if key not in self.graphs:  # a continued run's lean step not captured: the full
-                key = key[:3] + (False,)  # graph runs it alike, a launch more a layer
             graph = self.graphs[key]
             if CLOCK.enabled:  # its step kind for the clock: draft rows only, or verify rows
                 # in it (they read their whole KV: the two costs differ ~2.5x at 32k)
@@ -425,8 +431,17 @@ class AsyncStepGraphs:
         self.steps += len(layout)
         return outs
 
-    def lean_step(self, queries: list[int]) -> bool:
+    def lean_step(self, queries: list[int], plain: bool | None = None) -> bool:
         """Whether a step of these queries per device row holds no verify row, so that its
         lean graph runs it: every row one query at most, and no live row of draft length 0
-        (whose every step is a verification of one query)."""
-        return self.lean and not self.plain_rows and max(queries, default=0) <= 1
+        (whose every step is a verification of one query) where the lean graph rescores no
+        row; plain: whether one is live, the rows' as set if None)."""
+        plain = self.plain_rows if plain is None else plain
+        # a lean step with the refresh rescores every row as a full one does: a verification
+        # of one query is a row like any other there
+        return self.lean and max(queries, default=0) <= 1 and not (plain and self.skips_rescoring)
+
+
+def _plain_rows(gammas: list[int], live: list[bool]) -> bool:
+    """Whether a live row has draft length 0."""
+    return any(g == 0 and x for g, x in zip(gammas, live, strict=True))

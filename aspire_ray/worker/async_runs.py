@@ -268,11 +268,11 @@ def _continue(worker: Any, started: Started | None, rows: list[RowPlan],
     layout = [[tracks[by_id[rid]].queries(s) if rid in by_id else 0 for rid in started.row_ids]
               for s in range(steps)]  # fmt: skip
     head = len(started.layout)
-    if not graphs.ready(started.n, layout[head:], worker.kv_caches):
+    gammas = [started.gammas.get(rid, 0) if rid else 0 for rid in started.row_ids]
+    keep = [rid in by_id for rid in started.row_ids]
+    if not graphs.ready(started.n, layout[head:], worker.kv_caches, gammas, keep):
         return None
-    graphs.set_rows(started.n, [started.gammas.get(rid, 0) if rid else 0
-                                for rid in started.row_ids],
-                    [rid in by_id for rid in started.row_ids])  # fmt: skip
+    graphs.set_rows(started.n, gammas, keep)
     outs = started.outs + graphs.replay(started.n, layout[head:])
     graphs.runs_continued += 1
     return outs, started.layout + layout[head:], started.row_ids, started.n
@@ -298,10 +298,11 @@ def _start_next(worker: Any, n: int, rows: list[RowPlan], tracks: list[AsyncTrac
     row_ids = graphs.row_ids
     layout = [[_queries(kinds[rid][s]) if rid in by_id else 0 for rid in row_ids]
               for s in range(head)]  # fmt: skip
-    if not graphs.ready(n, layout, worker.kv_caches):
-        return None
     gammas = {row.req_id: row.next_async_gamma for row in rows}
-    graphs.set_rows(n, [gammas.get(rid, 0) if rid else 0 for rid in row_ids])
+    device_gammas = [gammas.get(rid, 0) if rid else 0 for rid in row_ids]
+    if not graphs.ready(n, layout, worker.kv_caches, device_gammas):
+        return None
+    graphs.set_rows(n, device_gammas)
     graphs.runs_started += 1
     return Started(n, list(row_ids), gammas, steps, kinds, layout, graphs.replay(n, layout))
 
