@@ -643,16 +643,22 @@ class FixedPlan:
     def for_rows(cls, rows: int, tokens: int, max_q: int, max_pages: int, num_q_heads: int,
                  hkv: int, head_dim: int, device: torch.device,
                  config: AttentionConfig = DEFAULT_CONFIG, share: FixedPlan | None = None,
-                 wide_tiles: bool = False) -> FixedPlan:  # fmt: skip
+                 wide_tiles: bool = False, wide_only: bool = False) -> FixedPlan:  # fmt: skip
         """A plan for ``load_rows``: up to ``rows`` rows of 1..max_q queries each, ``tokens``
         queries and ``max_pages`` listed pages in all (one launch per query tile; the item
         bounds of ``for_decode`` with the most query tiles a row may need). wide_tiles: rows
-        of several queries all take max_q's tile (two launches: ``attention_items``)."""
+        of several queries all take max_q's tile (two launches: ``attention_items``).
+        wide_only: the one launch of max_q's tile, for steps that hold a row of several
+        queries under ``mixed_one_launch`` (every row takes that tile there; a row of one
+        query planned in its own tile runs alike in the wide one, a tile of one block)."""
         group = num_q_heads // hkv
         cfg = _config_for(config, group)
         n_q = np.arange(1, max_q + 1)
         tiles = _block_m(n_q, group, cfg)
-        if wide_tiles:
+        if wide_only:
+            wide_tiles = True
+            tiles = np.full_like(tiles, tiles[-1])
+        elif wide_tiles:
             tiles = np.where(n_q > 1, tiles[-1], tiles)
         blocks = int((-(-n_q // (tiles // group))).max())
         if cfg.kv_chunk_pages is not None:

@@ -376,6 +376,10 @@ def run_mode(mode: str, args, extra: dict, bandwidth: float) -> dict:
             bucket = f"<= {g['upto_us']:g} us" if g["upto_us"] else "longer"
             print(f"{mode} {kind}: idle gaps {bucket}: {g['count']:.0f} per step, "
                   f"{g['ms']:.3f} ms", file=sys.stderr)  # fmt: skip
+    # each mode's replays at once, so that a call cut before the report keeps them
+    for kind, k in (clock["by_kind"] if clock else {}).items():
+        print(f"{mode} graph {kind}: {k['replays']} replays, median {k['median_ms']:.3f} ms, "
+              f"mean {k['mean_ms']:.3f} ms", file=sys.stderr)  # fmt: skip
     return {"mode": mode, "kinds": kinds, "steps": steps, "profile": idle,
             "graph_kinds": clock["by_kind"] if clock else {}}  # fmt: skip
 

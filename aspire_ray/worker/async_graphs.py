@@ -214,8 +214,11 @@ class AsyncStepGraphs:
 
     def _plan(self, n: int, t: int, full: bool, lean: bool = False) -> FixedPlan:
         """The attention plan of (n, t)'s sparse or full lists: rows of 1..max_q queries in two
-        launches (draft rows' tile, verify rows' widest), or for a lean step rows of one
-        query at most in one launch (draft rows only: ``lean_step``)."""
+        launches (draft rows' tile, verify rows' widest), or in one: a lean step's rows of one
+        query at most (draft rows only: ``lean_step``) in theirs, and with
+        ``mixed_one_launch`` a step of more queries than rows (t > n: a row verifies drafts)
+        in the widest, where every row goes. A launch a step leaves empty still runs its
+        ~1,000 programs a layer (docs/benchmarks.md §8.56)."""
         if (n, t, full, lean) not in self.plans:
             from aspire_ray.kernels.paged_attention import FixedPlan  # imports triton
 
@@ -224,7 +227,8 @@ class AsyncStepGraphs:
             self.plans[n, t, full, lean] = FixedPlan.for_rows(
                 n, t, 1 if lean else self.max_q, self._pool_pages, attn.q_heads,
                 attn.kv_heads, attn.head_dim, self.pieces.device, self.step_graphs.config,
-                share=largest, wide_tiles=not lean)  # fmt: skip
+                share=largest, wide_tiles=not lean,
+                wide_only=t > n and self.step_graphs.config.mixed_one_launch)  # fmt: skip
         return self.plans[n, t, full, lean]
 
     # ---- the captured step ---------------------------------------------------------------------

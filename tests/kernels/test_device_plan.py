@@ -199,6 +199,27 @@ def test_wide_tiles_put_every_verify_row_in_one_launch(cfg, one_launch):
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
+@pytest.mark.parametrize("n_q", [[1, 4, 1, 2, 7], [1] * 5], ids=["mixed", "draft-rows"])
+def test_a_wide_only_plan_runs_any_step_in_one_launch(n_q):
+    """``for_rows(wide_only=True)``: one launch of the widest tile (an asynchronous graph of
+    more queries than rows, where ``mixed_one_launch`` puts every row there), and a step of
+    rows of one query alone, planned in their own tile, gives the host plan's output in it."""
+    cfg = CONFIGS[1]
+    q, kv, meta = paged_case(n_q, [700, 33, 260, 90, 120], (8, 2, 64), torch.float32, "cpu",
+                             PS, True, 6)  # fmt: skip
+    expected = paged_attention(q, kv, meta, 0.125, config=cfg)
+    plan = FixedPlan.for_rows(5, 16, 7, kv.shape[0], 8, 2, 64, torch.device("cpu"), cfg,
+                              wide_only=True)  # fmt: skip
+    assert [launch.block_m for launch in plan.plan.launches] == [32]  # 7 queries x 4 heads
+    plan.load_rows(meta.kv_indptr, meta.kv_last_page_len, torch.tensor(n_q), PS)
+    assert set(plan.plan.launches[0].work[0, : plan.plan.launches[0].count.item()].tolist()) \
+        == set(range(5))  # fmt: skip
+    fixed = PagedKVMeta(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                        PS, fixed_plan=plan)  # fmt: skip
+    torch.testing.assert_close(paged_attention(q, kv, fixed, 0.125, config=cfg), expected,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 def _loaded(plan: FixedPlan, fused: bool, load) -> list[tuple[int, np.ndarray]]:
     """Every launch's and the merge's (count, work) after ``load(plan)``."""
     plan.clear()
