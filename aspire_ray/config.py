@@ -426,13 +426,14 @@ class EngineConfig:
     # shapes, docs/benchmarks.md §8.28). Off until timed in a step (bench variants `tlo`,
     # `tldown`, `tlod`); never with `deterministic` (its projections are all Triton already).
     triton_projections: tuple[str, ...] = ()
-    # Steps of an asynchronous run that hold draft rows only, in a mode that rescores pages at
-    # verifications only (specattn's policy: ``SpecConfig.draft_refresh`` False), replay a
-    # graph without the refresh layer's split, its log-sum-exp and the rescoring kernels (they
-    # would score no row there): the same tokens and scores, a few launches fewer a step
-    # (worker/async_graphs.py). At Qwen2.5-0.5B's 32k x 64 such a step cost 1.847 ms against
-    # the rounds' draft step's 1.777 (docs/benchmarks.md §8.55). False: every step the full
-    # graph (bench variant `nolean`).
+    # Steps of an asynchronous run that hold draft rows only replay a lean graph: attention
+    # one launch a layer of the one-query tile (the full graph's second launch, verify rows'
+    # wide tile, would run empty), and in a mode that rescores pages at verifications only
+    # (``SpecConfig.draft_refresh`` False) no refresh-layer split, log-sum-exp or rescoring
+    # (they would score no row there): the same tokens and scores, fewer launches
+    # (worker/async_graphs.py). At Qwen2.5-0.5B's 32k x 64 without the refresh such a step
+    # cost 1.877 ms full, 1.816 lean, the rounds' draft step 1.815 (docs/benchmarks.md
+    # §8.56). False: every step the full graph (bench variant `nolean`).
     async_lean_steps: bool = True
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
