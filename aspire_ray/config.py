@@ -373,6 +373,12 @@ class EngineConfig:
     # CUDA graphs (cuda, triton backend; tp > 1: tp_cuda_graphs): one graph per decode step,
     # piecewise graphs of the dense layers for steps with prefill rows; False: eager.
     cuda_graphs: bool = True
+    # Token buckets of the graphs per doubling from FINE_BUCKETS_FROM tokens up (1, 2 or 4;
+    # rows stay in powers of two): a step runs its dense layers over its bucket's tokens, so
+    # a 64-row verification of 9 queries (576 tokens) computes 1,024 at 1, 768 at 2, 640 at
+    # 4 (worker/cuda_graphs.buckets; docs/benchmarks.md §8.56). More buckets, more graphs
+    # captured at start-up. Bench variants `bk2`, `bk4`.
+    graph_buckets_per_octave: int = 1
     # With cuda_graphs at tp > 1: every shard captures the same graphs, their all-reduces,
     # all-gathers and the refresh layer's cross-rank max (NCCL) inside (issue 17). Off until
     # timed on two GPUs (scripts/bench_tp.py); off, shards run each step eagerly.
@@ -457,6 +463,9 @@ class EngineConfig:
         _require(set(self.triton_projections) <= set(TRITON_PROJECTIONS),
                  f"triton_projections must name projections of {TRITON_PROJECTIONS}, got "
                  f"{self.triton_projections!r}")  # fmt: skip
+        _require(self.graph_buckets_per_octave in (1, 2, 4),
+                 f"graph_buckets_per_octave must be 1, 2 or 4, got "
+                 f"{self.graph_buckets_per_octave!r}")  # fmt: skip
         _require(self.device_wait in ("event", "spin"),
                  f"device_wait must be 'event' or 'spin', got {self.device_wait!r}")
         _require(self.calibrate in CALIBRATE,

@@ -127,8 +127,14 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # sampled drafts and verifications on one noise (SpecConfig.coupled_sampling)
     "coupled": {"coupled_sampling": True},
     # every step of an asynchronous run on the full graph, draft-only steps too
-    # (EngineConfig.async_lean_steps: their lean graph skips the rescoring without refresh)
+    # (EngineConfig.async_lean_steps: their lean graph launches one query tile's attention,
+    # and skips the rescoring without refresh)
     "nolean": {"async_lean_steps": False},
+    # token buckets of the graphs 2 / 4 a doubling from 128 tokens, not powers of two: the
+    # verify and mixed steps' dense layers over fewer padding tokens
+    # (EngineConfig.graph_buckets_per_octave)
+    "bk2": {"graph_buckets_per_octave": 2},
+    "bk4": {"graph_buckets_per_octave": 4},
     # sampled graph variants captured at their first use, not at start-up
     # (EngineConfig.sampled_graphs_at_start)
     "lazysampled": {"sampled_graphs_at_start": False},

@@ -22,9 +22,11 @@
 #     kind's graphs on random weights at SmolLM2's shape at 6,200 x 64 and Qwen2.5-0.5B's at
 #     30,000 x 64, with and without the switches: the refresh layer while drafting
 #     (norefresh), the o / down projections through kernels/linear.py (tlo, tlod; at both
-#     shapes, before they may be on by default); `aspire`'s
-#     asynchronous steps profiled beside the rounds' (their kernels a replay); PDL and the
-#     fused merge, on by default, were timed against nopdl / sepmerge in §8.53 and §8.55)
+#     shapes, before they may be on by default); the rounds' verifications in finer token
+#     buckets (bk4: 64 x 9 queries in 640 tokens, not 1,024); `aspire`'s asynchronous steps
+#     need the real model (random weights' drafts are all rejected: every row verifies one
+#     query a step, §8.56); PDL and the fused merge, on by default, were timed against
+#     nopdl / sepmerge in §8.53 and §8.55)
 #   bash scripts/gpu_runs.sh floor-knobs [MODES]   (SmolLM2's `ar` step under the attention
 #     launch's settings: num_stages, num_warps, block_n, registers; random weights, one call)
 #   bash scripts/gpu_runs.sh gaps [MODES] [PROFILED]   (GPU idle gaps: what the host ran in each,
@@ -215,7 +217,7 @@ PY
       --out "$OUT/floor_smollm2_shapes.json"
     run_logged floor-qwen timeout 320 python3 scripts/bench_floor.py \
       --dummy-shapes qwen2.5-coder-0.5b --context 30000 --batch 64 --steps 24 --warmup 6 \
-      --modes "ar,ar/tlod,magicdec/g8,aspire_fixed/g8+norefresh,aspire_fixed/g8+norefresh+tlod,aspire/norefresh,aspire/norefresh+nolean" \
+      --modes "ar,ar/tlod,magicdec/g8,magicdec/g8+bk4,aspire_fixed/g8+norefresh,aspire_fixed/g8+norefresh+tlod,aspire_fixed/g8+norefresh+bk4" \
       --profile-steps 2 --out "$OUT/floor_qwen05b_shapes.json" ;;
   floor-knobs)  # the attention launch's settings swept on SmolLM2's `ar` step (issue 14's
     # ar <= 1.2x its floor: the attention is ~87% of that step at ~1.11x its KV bytes; bench

@@ -144,7 +144,8 @@ def eager_graphs_on(w, draft_graphs: bool = True, graph_tokens: int = 32, chunk_
     w.backend = TritonBackend(AttentionConfig(kv_chunk_pages=chunk_pages),
                               deterministic=deterministic, kv_chunk_pages=chunk_pages)
     w.step_resources = replace(w.step_resources, backend=w.backend)  # planning's backend too
-    w.graphs = PiecewiseGraphs(w.model, w.backend, graph_tokens, w.device, EagerGraph)
+    w.graphs = PiecewiseGraphs(w.model, w.backend, graph_tokens, w.device, EagerGraph,
+                               per_octave=w.cfg.graph_buckets_per_octave)  # fmt: skip
     split = w.refresh_layer if w.selector is not None and w.selector.uses_scores else None
     w.step_graphs = StepGraphs(w.graphs, split, w.max_q, 16, w.backend.config)
     w.draft_graphs = w._draft_graphs() if draft_graphs else None

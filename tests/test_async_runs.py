@@ -299,6 +299,28 @@ def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
         (graphs.runs_started, graphs.runs_continued)  # fmt: skip
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["aspire", "aspire_fixed"])
+def test_finer_token_buckets_keep_ars_tokens(tiny_model_dir, monkeypatch, mode):
+    # graph_buckets_per_octave 4 (from 4 tokens here, 128 on a real shape): the asynchronous
+    # steps and the rounds' verifications replay graphs of 5, 6, 7, 10, ... tokens (the
+    # dense layers over fewer padding tokens); their tokens are `ar`'s
+    from aspire_ray.worker import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "FINE_BUCKETS_FROM", 4)
+    model_dir = tiny_model_dir("llama_3l")  # 3 layers: interpreted kernels, a layer fewer
+    expected = _greedy(_engine(model_dir, "ar"), max_tokens=12)
+    engine = _engine(model_dir, mode, async_steps=6, attention_backend="triton",
+                     graph_buckets_per_octave=4)  # fmt: skip
+    w = use_eager_graphs(engine)
+    assert _greedy(engine, max_tokens=12) == expected
+    if mode == "aspire":  # (rows, tokens, ...)
+        tokens = [t for _, t, *_ in w.async_graphs.graphs]
+    else:  # (rows, queries a row, ...)
+        tokens = [w.graphs.bucket(n * q) for n, q, _ in w.draft_graphs.verify.graphs]
+    assert any(t & (t - 1) for t in tokens), f"no fine token bucket replayed: {tokens}"
+
+
 def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     # a batch shrinks as its requests finish: each smaller row bucket's graphs are captured at
     # start-up, not inside a running batch's steps (with their kernels' compiles on a GPU)

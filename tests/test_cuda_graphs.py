@@ -50,6 +50,18 @@ def test_graphed_equals_eager(tiny_model_dir, family, mode):
 def test_buckets():
     assert buckets(16) == [1, 2, 4, 8, 16]
     assert buckets(1000)[-1] == 512
+    # finer from 128 tokens: a 64-row verification of 9 queries (576 tokens) pads to 1,024,
+    # 768 or 640; below 128 the same powers of two at every granularity
+    assert buckets(1024, 2)[6:] == [64, 128, 192, 256, 384, 512, 768, 1024]
+    assert buckets(1024, 4)[8:] == [160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert buckets(100, 4) == buckets(100) and buckets(1000, 4)[-1] == 896
+    assert [next(b for b in buckets(1024, k) if b >= 576) for k in (1, 2, 4)] == [1024, 768, 640]
+    assert all(b % 32 == 0 for k in (2, 4) for b in buckets(2048, k) if b >= 128)
+    # self-planning graphs keep their rows in powers of two (each captures every token
+    # bucket of its rows): the same row buckets at every granularity
+    for k in (1, 2, 4):
+        assert row_buckets(buckets(1024, k), 64) == [1, 2, 4, 8, 16, 32, 64]
+        assert row_buckets(buckets(1024, k), 170) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def _run_triton(model_dir, mode, whole: bool):

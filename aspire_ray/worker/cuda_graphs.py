@@ -83,28 +83,41 @@ class EagerGraph:
             self.out.copy_(out)
 
 
-def buckets(max_tokens: int) -> list[int]:
-    """Padded token counts that get graphs: powers of two up to max_tokens."""
+FINE_BUCKETS_FROM = 128  # below, token buckets are powers of two at any granularity
+
+
+def buckets(max_tokens: int, per_octave: int = 1) -> list[int]:
+    """Padded token counts that get graphs, up to max_tokens: powers of two, and from
+    ``FINE_BUCKETS_FROM`` on ``per_octave`` of them per doubling, evenly spaced (4: 128, 160,
+    192, 224, 256, 320, ...; multiples of 32, so every bucket is even, as the graphs'
+    inputs need). A step's dense layers compute over its bucket's tokens: a verification of
+    64 rows x 9 queries pads 576 tokens to 1,024 in powers of two, to 640 at 4 a doubling."""
     out, n = [], 1
     while n <= max_tokens:
-        out.append(n)
+        step = n // per_octave if n >= FINE_BUCKETS_FROM else n
+        out.extend(b for b in range(n, 2 * n, step) if b <= max_tokens)
         n *= 2
     return out
 
 
 def row_buckets(token_buckets: list[int], max_rows: int) -> list[int]:
-    """The buckets a self-planning graph family captures for up to ``max_rows`` rows: those up
-    to the smallest holding max_rows, or all of them where none does (more rows than the
-    largest bucket: such steps are planned on the host)."""
-    top = next((b for b in token_buckets if b >= max_rows), None)
-    return [n for n in token_buckets if top is None or n <= top]
+    """The buckets a self-planning graph family captures for up to ``max_rows`` rows: the
+    token buckets that are powers of two (finer ones would multiply the graphs: a family
+    captures every token bucket of each row bucket), those up to the smallest holding
+    max_rows, or all of them where none does (more rows than the largest bucket: such steps
+    are planned on the host)."""
+    rows = [b for b in token_buckets if b & (b - 1) == 0]
+    top = next((b for b in rows if b >= max_rows), None)
+    return [n for n in rows if top is None or n <= top]
 
 
 class PiecewiseGraphs:
     def __init__(self, model: DecoderModel, backend: AttentionBackend, max_tokens: int,
-                 device: torch.device, graph_factory=None) -> None:  # fmt: skip
+                 device: torch.device, graph_factory=None,
+                 per_octave: int = 1) -> None:  # fmt: skip
+        """per_octave: token buckets a doubling (``buckets``)."""
         self.model, self.backend, self.device = model, backend, device
-        self.buckets = buckets(max_tokens)
+        self.buckets = buckets(max_tokens, per_octave)
         tmax = self.buckets[-1]
         attn = model.layers[0].self_attn
         dtype = model.embed_tokens.weight.dtype

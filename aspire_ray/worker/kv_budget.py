@@ -45,6 +45,7 @@ from aspire_ray.config import CacheConfig, SchedulerConfig
 from aspire_ray.plan import Stream
 
 from . import rejection_sampler, sampler
+from .cuda_graphs import row_buckets
 
 CPU_POOL_BYTES = 1 << 30  # the pool on the CPU, where nothing is measured
 
@@ -67,7 +68,7 @@ def step_shapes(scheduler: SchedulerConfig, max_q: int,
     eager_rows = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * max_q)
     graph_rows = 0
     if buckets:
-        rows = next((b for b in buckets if b >= scheduler.max_num_seqs), buckets[-1])
+        rows = row_buckets(buckets, scheduler.max_num_seqs)[-1]
         graph_rows = max(b for b in buckets if b <= rows * max_q)
     return StepShapes(scheduler.max_num_batched_tokens, eager_rows, max_q, graph_rows)
 

@@ -132,7 +132,8 @@ class Worker:
         if self.tp.size > 1 and not self.cfg.tp_cuda_graphs:
             return None
         max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
-        return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device)
+        return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
+                               per_octave=self.cfg.graph_buckets_per_octave)  # fmt: skip
 
     @property
     def max_q(self) -> int:
