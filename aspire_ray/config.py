@@ -438,8 +438,8 @@ class EngineConfig:
     # (``SpecConfig.draft_refresh`` False) no refresh-layer split, log-sum-exp or rescoring
     # (they would score no row there): the same tokens and scores, fewer launches
     # (worker/async_graphs.py). At Qwen2.5-0.5B's 32k x 64 without the refresh such a step
-    # cost 1.877 ms full, 1.816 lean, the rounds' draft step 1.815 (docs/benchmarks.md
-    # §8.56). False: every step the full graph (bench variant `nolean`).
+    # cost 1.877 ms full, 1.816 lean (both savings together), the rounds' draft step 1.815
+    # (docs/benchmarks.md §8.56). False: every step the full graph (bench variant `nolean`).
     async_lean_steps: bool = True
     # How the host waits for a graph run's tokens (worker/device_result.py): "event", a CUDA
     # event sync behind them; "spin", polling a flag that a second copy writes into pinned
