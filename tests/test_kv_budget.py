@@ -79,9 +79,14 @@ def test_step_shapes_are_the_largest_the_scheduler_emits():
     assert shapes == kv_budget.StepShapes(16384, 16384, 17, 1024)
     # ar (one query a row): one logit row a request
     assert kv_budget.step_shapes(big, 1, graph_buckets).eager_rows == 1024
-    # a row bucket of 4 (3 requests) of verify rows of 17 queries: up to 68, so the 64 bucket
+    # a row bucket of 4 (3 requests) of verify rows of 17 queries: 68 tokens, padded to the
+    # 128 bucket the verification graph runs in (VerifyGraphs.ensure: bucket(n * q))
     small = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=2048)
-    assert kv_budget.step_shapes(small, 17, graph_buckets).graph_rows == 64
+    assert kv_budget.step_shapes(small, 17, graph_buckets).graph_rows == 128
+    # finer buckets pad less: 64 rows x 9 queries (576 tokens) in 640, not 1,024
+    mid = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
+    assert kv_budget.step_shapes(mid, 9, buckets(2048)).graph_rows == 1024
+    assert kv_budget.step_shapes(mid, 9, buckets(2048, 4)).graph_rows == 640
     assert kv_budget.step_shapes(small, 17, None).graph_rows == 0  # no graphs
 
 
