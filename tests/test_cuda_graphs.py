@@ -12,7 +12,13 @@ from aspire_ray import SamplingParams
 from aspire_ray.attention import AttentionBackend
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
-from aspire_ray.worker.cuda_graphs import EagerGraph, PiecewiseGraphs, buckets, row_buckets
+from aspire_ray.worker.cuda_graphs import (
+    EagerGraph,
+    PiecewiseGraphs,
+    buckets,
+    graph_tokens,
+    row_buckets,
+)
 
 SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
@@ -62,6 +68,16 @@ def test_buckets():
     for k in (1, 2, 4):
         assert row_buckets(buckets(1024, k), 64) == [1, 2, 4, 8, 16, 32, 64]
         assert row_buckets(buckets(1024, k), 170) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_graphs_cover_every_decode_step_within_the_budget():
+    # ar at 64 rows, prefill chunks, and 64 verify rows of a 9-query tile: 1,024 tokens
+    assert graph_tokens(2048, 64, 1) == 1024 and graph_tokens(2048, 64, 9) == 1024
+    # 165 rows verifying 7 drafts on one slot (1,320 tokens): the 2,048 bucket
+    assert next(b for b in buckets(graph_tokens(2048, 165, 9)) if b >= 165 * 8) == 2048
+    # never past the step's token budget, nor a bucket beyond what the rows can fill
+    assert graph_tokens(512, 64, 17) == 512 and graph_tokens(16384, 4, 17) == 1024
+    assert graph_tokens(16384, 300, 9) == 4096
 
 
 def _run_triton(model_dir, mode, whole: bool):

@@ -100,6 +100,23 @@ def buckets(max_tokens: int, per_octave: int = 1) -> list[int]:
     return out
 
 
+PREFILL_GRAPH_TOKENS = 1024  # graphs up to here at least; longer prefill chunks run eagerly
+
+
+def graph_tokens(max_num_batched_tokens: int, max_num_seqs: int, row_queries: int) -> int:
+    """The largest token bucket worth a graph: a decode step of max_num_seqs rows of
+    ``row_queries`` queries each, rounded up to a power of two, within the step's token budget,
+    and ``PREFILL_GRAPH_TOKENS`` at least. row_queries: what a verify row holds in practice
+    (one query tile: the draft policy keeps lengths within the tile their target fits in,
+    ``DraftPolicy.align``; a longer row's step may run on the host). An asynchronous run replays
+    graphs only if each of its steps has a bucket (``AsyncStepGraphs.fits``): at 1,024 tokens,
+    165 rows verifying 7 drafts on one slot (1,320 tokens) sent whole runs to the host, each
+    step planned there and synced (79% of the GPU idle at 32k x 165 on an H100,
+    docs/benchmarks.md §8.57)."""
+    decode = 1 << max(max_num_seqs * row_queries - 1, 0).bit_length()
+    return min(max_num_batched_tokens, max(PREFILL_GRAPH_TOKENS, decode))
+
+
 def row_buckets(token_buckets: list[int], max_rows: int) -> list[int]:
     """The buckets a self-planning graph family captures for up to ``max_rows`` rows: the
     token buckets that are powers of two (finer ones would multiply the graphs: a family

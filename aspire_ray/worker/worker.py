@@ -41,7 +41,7 @@ from aspire_ray.tp.layers import set_batch_invariant
 from . import gc_waits, kv_budget, rejection_sampler, sampler
 from .async_graphs import AsyncStepGraphs
 from .async_runs import run_async
-from .cuda_graphs import PiecewiseGraphs
+from .cuda_graphs import PiecewiseGraphs, graph_tokens
 from .decode_chains import StartedChain, graph_decode_chain, runs_on_graphs
 from .device_memory import SPARE_BYTES
 from .draft_graphs import DraftStepGraphs, table_widths
@@ -57,7 +57,6 @@ from .step_graphs import StepGraphs
 from .step_resources import StepResources
 
 logger = logging.getLogger(__name__)
-MAX_GRAPH_TOKENS = 1024  # steps of more tokens (long prefill chunks) run the eager forward
 
 
 @dataclass
@@ -131,7 +130,10 @@ class Worker:
             return None
         if self.tp.size > 1 and not self.cfg.tp_cuda_graphs:
             return None
-        max_tokens = min(MAX_GRAPH_TOKENS, self.cfg.scheduler.max_num_batched_tokens)
+        sched, attn = self.cfg.scheduler, self.model.layers[0].self_attn
+        tile = self.backend.query_tile_tokens(attn.q_heads // attn.kv_heads) or self.max_q
+        max_tokens = graph_tokens(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                  min(self.max_q, tile))  # fmt: skip
         return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
                                per_octave=self.cfg.graph_buckets_per_octave)  # fmt: skip
 
