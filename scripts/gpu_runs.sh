@@ -58,6 +58,8 @@
 #   bash scripts/gpu_runs.sh triton-save       # there, after a run: $OUT/triton_cache.tgz
 #   (here: mkdir -p .stage/triton && cp <files_at>/triton_cache.tgz .stage/triton/)
 #   bash scripts/gpu_runs.sh triton-load       # there, carry .stage/triton, before the runs
+#   (11 MB: not beside the bundle or a 50 MB chunk within 64 MiB; beside the last, small chunk
+#    of Qwen2.5-0.5B it fits: carry .stage/q09 .stage/triton, then chunk && join && triton-load)
 set -uo pipefail
 SITE=/tmp/site
 MODELS=/tmp/models
