@@ -130,12 +130,18 @@ class Worker:
             return None
         if self.tp.size > 1 and not self.cfg.tp_cuda_graphs:
             return None
-        sched, attn = self.cfg.scheduler, self.model.layers[0].self_attn
-        tile = self.backend.query_tile_tokens(attn.q_heads // attn.kv_heads) or self.max_q
+        sched = self.cfg.scheduler
         max_tokens = graph_tokens(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                  min(self.max_q, tile))  # fmt: skip
+                                  min(self.max_q, self.query_tile or self.max_q))  # fmt: skip
         return PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
                                per_octave=self.cfg.graph_buckets_per_octave)  # fmt: skip
+
+    @property
+    def query_tile(self) -> int | None:
+        """Query tokens of a row that share one KV read in this backend's attention (None:
+        one read whatever the count; ``AttentionBackend.query_tile_tokens``)."""
+        attn = self.model.layers[0].self_attn
+        return self.backend.query_tile_tokens(attn.q_heads // attn.kv_heads)
 
     @property
     def max_q(self) -> int:
@@ -271,7 +277,6 @@ class Worker:
 
     def describe(self) -> ShardInfo:
         """What the driver needs to know about this shard."""
-        attn = self.model.layers[0].self_attn
         return ShardInfo(
             num_pages=self.num_pages,
             num_layers=self.arch.num_layers,
@@ -287,7 +292,7 @@ class Worker:
                              if "embed_tokens" not in name),
             memory_bandwidth=self.memory_bandwidth,
             tp_size=self.tp.size,
-            query_tile_tokens=self.backend.query_tile_tokens(attn.q_heads // attn.kv_heads),
+            query_tile_tokens=self.query_tile,
         )
 
     # ---- one step ----------------------------------------------------------------------------
