@@ -173,13 +173,36 @@ def by_kind(intervals: list, kinds: list[str] | None) -> dict:
             for kind, ms in sorted(times.items())}  # fmt: skip
 
 
+def by_verify_share(intervals: list, kinds: list[str] | None, shapes: list | None) -> dict:
+    """GPU ms of the replays whose step held verify rows, by the share of its live rows that
+    verified (a quarter, a half, three quarters, all: "async_verify <=50%"): count, median
+    and mean ms, and the mean verify rows, live rows and tokens of such a step. Whether a
+    step where a few rows verify costs its rows' share of a full verification."""
+    groups: dict[tuple[str, int], list[tuple[float, tuple]]] = {}
+    for (b, e, _), kind, shape in zip(intervals, kinds or [], shapes or [], strict=False):
+        if shape is None or not shape[0] or not shape[1]:
+            continue
+        share = 25 * -(-4 * shape[0] // shape[1])  # rounded up to a quarter
+        groups.setdefault((kind, share), []).append((e - b, shape))
+    out = {}
+    for (kind, share), got in sorted(groups.items()):
+        key = f"{kind} <={share}%"
+        ms = [m for m, _ in got]
+        out[key] = {"replays": len(ms), "median_ms": statistics.median(ms),
+                    "mean_ms": sum(ms) / len(ms),
+                    **{f"mean_{name}": sum(sh[i] for _, sh in got) / len(got)
+                       for i, name in enumerate(("verify_rows", "live_rows", "tokens"))}}
+    return out
+
+
 def clock_summary(raw: dict, longest: int = 8) -> dict:
     """The graph clock's record (``GraphClock.collect``: replays as (begin ms, end ms, phase)
     in launch order on one stream, host marks) -> the GPU's busy time in replays and its idle
     between them: in all, by size (``idle_gaps``' buckets), by the phases either side
     ("before -> after"), busy by phase (and the host's time in those replay calls, when
     recorded: ms past ~0.1 a launch say the launch queue was full), the longest gaps, and per
-    host mark the work queued (``queued_at``); GPU ms by step kind (``by_kind``)."""
+    host mark the work queued (``queued_at``); GPU ms by step kind (``by_kind``) and, for
+    steps with verify rows, by the share of rows verifying (``by_verify_share``)."""
     intervals = raw["intervals"]
     launches = raw.get("launch_ms") or [None] * len(intervals)
     busy = sum(e - b for b, e, _ in intervals)
@@ -207,6 +230,7 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
     return {
         "replays": len(intervals), "dropped": raw.get("dropped", 0), "span_ms": span,
         "by_kind": by_kind(intervals, raw.get("kinds")),
+        "by_verify_share": by_verify_share(intervals, raw.get("kinds"), raw.get("shapes")),
         "busy_ms": busy, "gap_ms": span - busy, "idle_frac": (span - busy) / span if span else 0.0,
         "gaps": [{"upto_ms": hi, "count": n, "ms": t}
                  for hi, (n, t) in zip((*CLOCK_GAP_BUCKETS_MS, None), sized, strict=True)],

@@ -174,6 +174,10 @@ for r in json.load(open(sys.argv[1]))["results"]:
     for k, v in c.get("by_kind", {}).items():
         print(f"   kind {k}: {v['replays']} replays, {v['median_ms']:.3f} ms a replay (median; "
               f"mean {v['mean_ms']:.3f})")
+    for k, v in c.get("by_verify_share", {}).items():
+        print(f"   {k} of the rows verifying: {v['replays']} replays, {v['median_ms']:.3f} ms "
+              f"(median; mean {v['mean_ms']:.3f}), {v['mean_verify_rows']:.0f} of "
+              f"{v['mean_live_rows']:.0f} rows, {v['mean_tokens']:.0f} tokens")
     for k, v in c.get("by_phase", {}).items():
         print(f"   phase {k}: {v['replays']} replays, busy {v['busy_ms']:.1f} ms, host in "
               f"launches {v.get('launch_host_ms', 0):.2f} ms (max {v.get('launch_host_max_ms', 0):.3f})")

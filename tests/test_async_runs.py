@@ -35,10 +35,9 @@ def test_async_kinds_follow_the_drafts_held():
 
 
 def _engine(model_dir, mode, **spec):
-    cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
-                              num_pages=120, max_num_seqs=4, page_size=4, calibrate="off",
-                              **{**SPARSE, **spec})  # fmt: skip
-    return LLMEngine(cfg)
+    base = dict(max_num_batched_tokens=64, num_pages=120, max_num_seqs=4, page_size=4,
+                calibrate="off")  # fmt: skip
+    return LLMEngine(build_engine_config(model_dir, spec_mode=mode, **{**base, **SPARSE, **spec}))
 
 
 def _greedy(engine, n=4, max_tokens=20):
@@ -321,6 +320,29 @@ def test_finer_token_buckets_keep_ars_tokens(tiny_model_dir, monkeypatch, mode):
     assert any(t & (t - 1) for t in tokens), f"no fine token bucket replayed: {tokens}"
 
 
+@pytest.mark.slow
+def test_a_full_batch_of_max_num_seqs_rows_pads_to_no_more(tiny_model_dir):
+    # max_num_seqs 3: row buckets 1, 2, 3 (not 4: a full batch's padded rows once made its
+    # verifications overflow the largest token bucket, docs/benchmarks.md §8.58); runs of 3
+    # rows replay graphs of 3 rows, their lean steps in the 4-token bucket; ar's tokens
+    model_dir = tiny_model_dir("llama_3l")
+    expected = _greedy(_engine(model_dir, "ar", max_num_seqs=3), n=3, max_tokens=20)
+    engine = _engine(model_dir, "aspire", async_steps=6, attention_backend="triton",
+                     max_num_seqs=3)  # fmt: skip
+    graphs = use_eager_graphs(engine).async_graphs
+    assert graphs.row_buckets == [1, 2, 3]
+    replayed, replay = [], graphs.replay
+
+    def recording(n, layout):
+        replayed.append((n, max(map(sum, layout))))
+        return replay(n, layout)
+
+    graphs.replay = recording
+    assert _greedy(engine, n=3, max_tokens=20) == expected
+    assert any(n == 3 and t > 3 for n, t in replayed), replayed  # verify rows among 3
+    assert (3, 4, None, True) in graphs.graphs  # the lean graph, captured up front
+
+
 def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     # a batch shrinks as its requests finish: each smaller row bucket's graphs are captured at
     # start-up, not inside a running batch's steps (with their kernels' compiles on a GPU)
@@ -328,8 +350,12 @@ def test_every_row_bucket_is_captured_up_front(tiny_model_dir):
     graphs = use_eager_graphs(engine).async_graphs
     graphs.capture_all(3, engine.executor.worker.kv_caches)
     assert {n for n, _, _, _ in graphs.graphs} == {b for b in graphs.row_buckets if b <= 4}
-    assert all(n <= t <= n * graphs.max_q and v is None for n, t, v, _ in graphs.graphs)
-    assert {t for n, t, _, _ in graphs.graphs if n == 4} == {4, 8, 16}
+    # up to the token bucket of a full bucket's rows verifying max_q queries each: 4 x 7 = 28
+    # tokens fill the 32 bucket, which a run's step may reach (it was captured on first use)
+    assert graphs.max_q == 7
+    assert all(n <= t <= graphs.pieces.bucket(n * graphs.max_q) and v is None
+               for n, t, v, _ in graphs.graphs)  # fmt: skip
+    assert {t for n, t, _, _ in graphs.graphs if n == 4} == {4, 8, 16, 32}
     # with or without the refresh, each row bucket's lean graph too, for the steps of draft
     # rows only (a query a row: n tokens); their attention is one launch of one query's tile,
     # not a second, empty one for verify rows' wide tile (4 query heads a KV head: 16- and

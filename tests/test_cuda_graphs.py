@@ -63,11 +63,11 @@ def test_buckets():
     assert buckets(100, 4) == buckets(100) and buckets(1000, 4)[-1] == 896
     assert [next(b for b in buckets(1024, k) if b >= 576) for k in (1, 2, 4)] == [1024, 768, 640]
     assert all(b % 32 == 0 for k in (2, 4) for b in buckets(2048, k) if b >= 128)
-    # self-planning graphs keep their rows in powers of two (each captures every token
-    # bucket of its rows): the same row buckets at every granularity
+    # self-planning graphs keep their rows in powers of two below max_num_seqs (each captures
+    # every token bucket of its rows), then max_num_seqs: the same at every granularity
     for k in (1, 2, 4):
         assert row_buckets(buckets(1024, k), 64) == [1, 2, 4, 8, 16, 32, 64]
-        assert row_buckets(buckets(1024, k), 170) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        assert row_buckets(buckets(1024, k), 170) == [1, 2, 4, 8, 16, 32, 64, 128, 170]
 
 
 def test_graphs_cover_every_decode_step_within_the_budget():
@@ -118,9 +118,12 @@ def test_whole_step_graphs_equal_eager(tiny_model_dir, mode):
 
 
 def test_row_buckets_hold_up_to_max_rows_or_all():
-    # a self-planning graph family's row buckets: up to the one holding max_num_seqs; with
-    # more requests than the largest token bucket (1024 of them at 512 tokens a step) all of
-    # them, where the comparison with no bucket raised TypeError at start-up
+    # a self-planning graph family's row buckets: the powers of two below max_num_seqs, then
+    # max_num_seqs (a full batch pads to no row it cannot hold: 160 rows of a 9-query tile
+    # fill 1,440 tokens, a 2,048 bucket, where 256 rows' 2,304 had none); with more requests
+    # than the largest token bucket (1024 of them at 512 tokens a step) all of them, where the
+    # comparison with no bucket raised TypeError at start-up
     assert row_buckets(buckets(512), 64) == [1, 2, 4, 8, 16, 32, 64]
-    assert row_buckets(buckets(512), 48) == [1, 2, 4, 8, 16, 32, 64]
+    assert row_buckets(buckets(512), 48) == [1, 2, 4, 8, 16, 32, 48]
     assert row_buckets(buckets(512), 1024) == buckets(512)
+    assert row_buckets(buckets(2048), 160)[-1] * 9 <= graph_tokens(2048, 160, 9) == 2048

@@ -19,13 +19,14 @@ SPARSE = dict(k_min=3, recent_pages=1, rho=0.07, gamma=4, d_max=6)
 
 
 def _run(model_dir, mode, draft_graphs: bool, page_size: int = 4, greedy: bool = False,
-         **spec):
+         max_num_seqs: int = 4, graph_tokens: int = 32, **spec):
     cfg = build_engine_config(model_dir, spec_mode=mode, max_num_batched_tokens=64,
-                              num_pages=120, attention_backend="triton", max_num_seqs=4,
-                              page_size=page_size, **{**SPARSE, **spec})  # fmt: skip
+                              num_pages=120, attention_backend="triton",
+                              max_num_seqs=max_num_seqs, page_size=page_size,
+                              **{**SPARSE, **spec})  # fmt: skip
     engine = LLMEngine(cfg)
     # 32 tokens: a round's verification of 4 rows of 5 queries fits a bucket
-    w = use_eager_graphs(engine, draft_graphs)
+    w = use_eager_graphs(engine, draft_graphs, graph_tokens=graph_tokens)
     drafts = []
     execute = w.execute
 
@@ -90,6 +91,31 @@ def test_round_graphs_verify_as_planned_steps(tiny_model_dir):
     assert w.draft_graphs.verify.steps > 4, "too few verifications replayed by the graphs"
     assert drafted == planned and len(planned) > 3  # the same drafts, round by round
     assert got == expected
+
+
+@pytest.mark.slow
+def test_a_full_batch_verifies_on_graphs_where_its_rows_fit(tiny_model_dir, monkeypatch):
+    # max_num_seqs 3, 16-token graphs: a round's verification of 3 rows of 5 queries (15
+    # tokens) replays the graph of 3 rows; padded to 4 rows (20 tokens) it had no bucket, and
+    # every verification of a full batch was planned on the host (specattn/g8 at 32k x 160 on
+    # an H100: 8.6% of the GPU idle, docs/benchmarks.md §8.58)
+    from aspire_ray.worker.verify_graphs import VerifyGraphs
+
+    replayed, replay = [], VerifyGraphs.replay
+
+    def recording(self, n, q, variant=None):
+        replayed.append(n)
+        return replay(self, n, q, variant)
+
+    monkeypatch.setattr(VerifyGraphs, "replay", recording)
+    model_dir = tiny_model_dir("llama_3l")
+    run = dict(greedy=True, max_num_seqs=3, graph_tokens=16, rounds_per_plan=2)
+    expected, planned, _ = _run(model_dir, "aspire_fixed", draft_graphs=False, **run)
+    got, drafted, w = _run(model_dir, "aspire_fixed", draft_graphs=True, rounds_overlap=False,
+                           **run)  # fmt: skip
+    assert w.draft_graphs.buckets == [1, 2, 3]
+    assert replayed.count(3) >= 2, replayed  # verifications of 3 rows on the graphs
+    assert drafted == planned and got == expected
 
 
 def test_sampled_verifications_are_captured_up_front_over_one_q_store(tiny_model_dir):

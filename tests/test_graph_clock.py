@@ -14,10 +14,10 @@ from helpers import scripts_imported
 from aspire_ray.worker.graph_clock import GraphClock
 
 
-def summarize(intervals, host=(), launch_ms=None, kinds=None):
+def summarize(intervals, host=(), launch_ms=None, kinds=None, shapes=None):
     with scripts_imported("floor_report") as (fr,):
         return fr.clock_summary({"intervals": intervals, "host": host, "launch_ms": launch_ms,
-                                 "kinds": kinds})  # fmt: skip
+                                 "kinds": kinds, "shapes": shapes})  # fmt: skip
 
 
 def test_summarize_splits_busy_and_gaps_by_phase():
@@ -123,3 +123,22 @@ def test_replays_are_timed_by_step_kind():
     assert kinds["draft"]["mean_ms"] == pytest.approx(3.2 / 3)
     assert kinds["verify"]["median_ms"] == pytest.approx(5.0)
     assert summarize(intervals)["by_kind"] == {}  # an older record: no kinds
+
+
+def test_steps_with_verify_rows_by_the_share_of_rows_verifying():
+    # an asynchronous run at 160 rows: draft-only steps, a step where 30 rows verify (<= 25%),
+    # two where 80 do (<= 50%) and one where all do: is a step of a few verifications priced
+    # as its rows' share of a full one? (32k x 160, docs/benchmarks.md §8.58)
+    intervals = [(0.0, 3.0, "async:run"), (3.0, 11.0, "async:run"), (11.0, 24.0, "async:run"),
+                 (24.0, 38.0, "async:run"), (38.0, 64.0, "async:run")]  # fmt: skip
+    kinds = ["async"] + ["async_verify"] * 4
+    shapes = [(0, 160, 160), (30, 160, 370), (80, 160, 720), (80, 160, 720), (160, 160, 1440)]
+    s = summarize(intervals, kinds=kinds, shapes=shapes)["by_verify_share"]
+    assert list(s) == ["async_verify <=25%", "async_verify <=50%", "async_verify <=100%"]
+    assert s["async_verify <=25%"]["replays"] == 1 and s["async_verify <=25%"]["median_ms"] == 8
+    half = s["async_verify <=50%"]
+    assert half["replays"] == 2 and half["mean_ms"] == pytest.approx(13.5)
+    assert (half["mean_verify_rows"], half["mean_live_rows"], half["mean_tokens"]) == (80, 160, 720)
+    assert s["async_verify <=100%"]["median_ms"] == 26
+    # a record without shapes (a round's replays, an older JSON): none
+    assert summarize(intervals, kinds=kinds)["by_verify_share"] == {}

@@ -79,10 +79,11 @@ def test_step_shapes_are_the_largest_the_scheduler_emits():
     assert shapes == kv_budget.StepShapes(16384, 16384, 17, 1024)
     # ar (one query a row): one logit row a request
     assert kv_budget.step_shapes(big, 1, graph_buckets).eager_rows == 1024
-    # a row bucket of 4 (3 requests) of verify rows of 17 queries: 68 tokens, padded to the
-    # 128 bucket the verification graph runs in (VerifyGraphs.ensure: bucket(n * q))
+    # the row bucket of 3 requests (max_num_seqs, cuda_graphs.row_buckets) of verify rows of
+    # 17 queries: 51 tokens, padded to the 64 bucket the verification graph runs in
+    # (VerifyGraphs.ensure: bucket(n * q))
     small = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=2048)
-    assert kv_budget.step_shapes(small, 17, graph_buckets).graph_rows == 128
+    assert kv_budget.step_shapes(small, 17, graph_buckets).graph_rows == 64
     # finer buckets pad less: 64 rows x 9 queries (576 tokens) in 640, not 1,024
     mid = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
     assert kv_budget.step_shapes(mid, 9, buckets(2048)).graph_rows == 1024

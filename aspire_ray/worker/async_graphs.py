@@ -203,11 +203,14 @@ class AsyncStepGraphs:
             return
         variants = [None] + (SAMPLED_VARIANTS if sampled else [])
         for n in reversed([b for b in self.row_buckets if b <= top]):
+            # up to the token bucket of n rows of max_q queries each (64 x 9 tokens: 1,024)
+            most = self.pieces.bucket(n * self.max_q) or self.pieces.buckets[-1]
             for t in reversed(self.pieces.buckets):
-                # lean graphs (draft rows only): at t = n, a query a row of a full bucket; a
-                # step with fewer live rows (some stopped) captures its own at first use
+                # lean graphs (draft rows only): a query a row of a full bucket, n tokens in
+                # the smallest token bucket holding them (n itself where n is a power of two);
+                # a step with fewer live rows (some stopped) captures its own at first use
                 for lean in (False, True) if self.lean else (False,):
-                    if n <= t <= n * self.max_q and (not lean or t == n):
+                    if n <= t <= most and (not lean or t == self.pieces.bucket(n)):
                         for variant in variants:
                             if variant is None or self.q_store_fits():
                                 self.ensure(n, t, kv_caches, variant, lean)
@@ -427,8 +430,10 @@ class AsyncStepGraphs:
             key = (n, self.pieces.bucket(sum(q)), self.variant, self.lean_step(q))
             graph = self.graphs[key]
             if CLOCK.enabled:  # its step kind for the clock: draft rows only, or verify rows
-                # in it (they read their whole KV: the two costs differ ~2.5x at 32k)
+                # in it (they read their whole KV: the two costs differ ~2.5x at 32k), and how
+                # many of the live rows verify (a step of a few costs less than a full one)
                 graph.kind = "async_verify" if max(q, default=0) > 1 else "async"
+                graph.shape = (sum(k > 1 for k in q), sum(k > 0 for k in q), sum(q))
             graph.replay()
             outs.append(self.argmax[key][: sum(q)].clone())
             self.lean_steps += key[3]

@@ -41,6 +41,7 @@ class _CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.pool, self.stream, self.mode = pool, stream, mode
         self.kind = "piece"  # the step kind the graph clock files its replays under
+        self.shape = None  # what its next replay's step holds, for the clock (or None)
 
     def capture(self, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         # capture_begin/end rather than torch.cuda.graph(): that one also runs gc.collect()
@@ -62,7 +63,7 @@ class _CudaGraph:
         return out
 
     def replay(self) -> None:
-        CLOCK.replay(self.graph, self.kind)  # timed while the clock runs (benchmarks)
+        CLOCK.replay(self.graph, self.kind, self.shape)  # timed while the clock runs
 
 
 class EagerGraph:
@@ -71,7 +72,7 @@ class EagerGraph:
 
     def __init__(self, pool=None, stream=None) -> None:
         self.fn, self.out = None, None
-        self.kind = "piece"
+        self.kind, self.shape = "piece", None
 
     def capture(self, fn):
         self.fn, self.out = fn, fn()
@@ -119,13 +120,17 @@ def graph_tokens(max_num_batched_tokens: int, max_num_seqs: int, row_queries: in
 
 def row_buckets(token_buckets: list[int], max_rows: int) -> list[int]:
     """The buckets a self-planning graph family captures for up to ``max_rows`` rows: the
-    token buckets that are powers of two (finer ones would multiply the graphs: a family
-    captures every token bucket of each row bucket), those up to the smallest holding
-    max_rows, or all of them where none does (more rows than the largest bucket: such steps
-    are planned on the host)."""
+    token buckets that are powers of two below max_rows (finer ones would multiply the graphs:
+    a family captures every token bucket of each row bucket), then max_rows itself, as vLLM's
+    capture sizes end at max_num_seqs: a full batch pads to no row it cannot hold (160 rows
+    verifying 9 queries each fill 1,440 tokens, a 2,048-token bucket; as 256 rows, 2,304 had
+    no bucket, and every verification of specattn/g8 at 32k x 160 on an H100 was planned on the
+    host, docs/benchmarks.md §8.58); all of them where max_rows is more than the largest (such
+    steps are planned on the host)."""
     rows = [b for b in token_buckets if b & (b - 1) == 0]
-    top = next((b for b in rows if b >= max_rows), None)
-    return [n for n in rows if top is None or n <= top]
+    if not rows or max_rows > rows[-1]:
+        return rows
+    return [n for n in rows if n < max_rows] + [max_rows]
 
 
 class PiecewiseGraphs:

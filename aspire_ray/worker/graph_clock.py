@@ -42,8 +42,9 @@ class GraphClock:
     def __init__(self) -> None:
         self.enabled = False
         self._phase = "other"
-        # (begin, end, phase, host seconds in the replay call, the graph's step kind)
-        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event, str, float, str]] = []
+        # (begin, end, phase, host seconds in the replay call, the graph's step kind, its
+        # step's shape or None: (verify rows, live rows, tokens) of an asynchronous step)
+        self._marks: list[tuple] = []
         # (perf_counter s, name, replays launched before, replays the host waited for or -1)
         self._host: list[tuple[float, str, int, int]] = []
         self.dropped = 0  # replays past MAX_REPLAYS
@@ -74,9 +75,10 @@ class GraphClock:
         finally:
             self._phase = outer
 
-    def replay(self, graph, kind: str = "other") -> None:
+    def replay(self, graph, kind: str = "other", shape: tuple | None = None) -> None:
         """graph.replay(), bracketed by timing events while the clock runs; kind: the step
-        kind the graph holds ("draft", "verify", "async", "decode", "step", "piece")."""
+        kind the graph holds ("draft", "verify", "async", "decode", "step", "piece"); shape:
+        what its step held, (verify rows, live rows, tokens), where the caller knows."""
         if not self.enabled:
             graph.replay()
             return
@@ -90,22 +92,23 @@ class GraphClock:
         graph.replay()
         launch = time.perf_counter() - t0
         end.record()
-        self._marks.append((begin, end, self._phase, launch, kind))
+        self._marks.append((begin, end, self._phase, launch, kind, shape))
 
     def collect(self) -> dict:
         """Stop; one device sync -> {"intervals": each replay as (begin ms, end ms, phase) in
         launch order, "launch_ms": the host's ms in each replay call, "kinds": each replay's
         step kind, "host": each mark as (ms on the same clock, name, replays launched before
-        it, replays waited for or -1), "dropped": replays not recorded}."""
+        it, replays waited for or -1), "shapes": each replay's shape or None, "dropped":
+        replays not recorded}."""
         marks, host, self._marks, self._host = self._marks, self._host, [], []
         self.enabled = False
         if not marks:
-            return {"intervals": [], "launch_ms": [], "kinds": [], "host": [],
+            return {"intervals": [], "launch_ms": [], "kinds": [], "host": [], "shapes": [],
                     "dropped": self.dropped}  # fmt: skip
         torch.cuda.synchronize()
         origin = marks[0][0]
         intervals = [(origin.elapsed_time(b), origin.elapsed_time(e), phase)
-                     for b, e, phase, _, _ in marks]  # fmt: skip
+                     for b, e, phase, *_ in marks]  # fmt: skip
         # the host's clock on the GPU's: an event recorded on an idle GPU runs at once
         probe = torch.cuda.Event(enable_timing=True)
         now = time.perf_counter()
@@ -114,7 +117,8 @@ class GraphClock:
         offset = 1e3 * now - origin.elapsed_time(probe)  # host ms - GPU ms
         at = [(1e3 * t - offset, name, before, waited) for t, name, before, waited in host]
         return {"intervals": intervals, "launch_ms": [1e3 * m[3] for m in marks],
-                "kinds": [m[4] for m in marks], "host": at, "dropped": self.dropped}
+                "kinds": [m[4] for m in marks], "host": at, "shapes": [m[5] for m in marks],
+                "dropped": self.dropped}
 
 
 CLOCK = GraphClock()  # this process's

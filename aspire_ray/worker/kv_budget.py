@@ -63,9 +63,10 @@ class StepShapes:
 def step_shapes(scheduler: SchedulerConfig, max_q: int,
                 buckets: list[int] | None) -> StepShapes:  # fmt: skip
     """The largest steps of this configuration. buckets: the graphs' token buckets (ascending;
-    None: no graphs). A graph of n rows (n a row bucket, the smallest holding max_num_seqs at
-    most) takes up to n * max_q tokens, padded to the smallest token bucket holding them: a
-    rounds' verification of 64 rows x 9 queries runs in the 1,024 bucket, not 512 (the
+    None: no graphs). A graph of n rows (the largest row bucket: max_num_seqs, or the largest
+    power-of-two bucket where max_num_seqs is past it, ``cuda_graphs.row_buckets``) takes
+    up to n * max_q tokens, padded to the smallest token bucket holding them: a rounds'
+    verification of 64 rows x 9 queries runs in the 1,024 bucket, not 512 (the
     largest bucket where none holds them: fewer rows' steps fill it)."""
     eager_rows = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * max_q)
     graph_rows = 0
