@@ -67,7 +67,8 @@ class _Clock:
                     ex.seconds += time.perf_counter() - t
                     return out
                 ex.execute = execute
-            steady = engine.step_kinds.get("async", 0) and not engine.scheduler.waiting
+            decoding = any(n for k, n in engine.step_kinds.items() if k != "prefill")
+            steady = decoding and not engine.scheduler.waiting
             clock.on, t0, w0 = bool(steady), time.perf_counter(), ex.seconds
             out = step(engine)
             if steady:
@@ -80,7 +81,7 @@ class _Clock:
 
 def engine_host(args, freeze: bool) -> dict:
     traces = Traces.load(args.traces)
-    costs = sim.load_costs(args.costs, "aspire", traces.meta)
+    costs = sim.load_costs(args.costs, args.mode, traces.meta)
     clock = _Clock()
     clock.wrap()
     gc.unfreeze()
@@ -90,6 +91,7 @@ def engine_host(args, freeze: bool) -> dict:
     gc.unfreeze()
     return {"gc_freeze": freeze, "plans": clock.plans,
             "engine_host_ms_median": 1e3 * statistics.median(clock.host),
+            "engine_host_ms_max": 1e3 * max(clock.host),  # a full batch's plan of many rounds
             "gc_ms_per_plan": 1e3 * sum(clock.collections) / clock.plans,
             "gc_collections": len(clock.collections),
             "gc_longest_ms": 1e3 * max(clock.collections, default=0.0)}
