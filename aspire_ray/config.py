@@ -377,8 +377,11 @@ class EngineConfig:
     # rows stay in powers of two): a step runs its dense layers over its bucket's tokens, so
     # a 64-row verification of 9 queries (576 tokens) computes 1,024 at 1, 768 at 2, 640 at
     # 4 (worker/cuda_graphs.buckets; docs/benchmarks.md §8.56). More buckets, more graphs
-    # captured at start-up. Bench variants `bk2`, `bk4`.
-    graph_buckets_per_octave: int = 1
+    # captured at start-up. 4 by default since §8.58: the 9-query verification costs 1.148x
+    # and 1.151x an `ar` step (1.204x at 1; issue 14 asks <= 1.15x), rounds 1.8% and
+    # `aspire` 0.9% faster at 32k x 64 (§8.57), for 4 s more start-up with Triton's compiled
+    # kernels cached (31 s more without). Bench variants `bk1`, `bk2`, `bk4`.
+    graph_buckets_per_octave: int = 4
     # With cuda_graphs at tp > 1: every shard captures the same graphs, their all-reduces,
     # all-gathers and the refresh layer's cross-rank max (NCCL) inside (issue 17). Off until
     # timed on two GPUs (scripts/bench_tp.py); off, shards run each step eagerly.

@@ -130,9 +130,10 @@ VARIANTS = {  # MODE/VARIANT: MODE with these engine options, to compare in one 
     # (EngineConfig.async_lean_steps: their lean graph launches one query tile's attention,
     # and skips the rescoring without refresh)
     "nolean": {"async_lean_steps": False},
-    # token buckets of the graphs 2 / 4 a doubling from 128 tokens, not powers of two: the
-    # verify and mixed steps' dense layers over fewer padding tokens
+    # token buckets of the graphs 1 / 2 / 4 a doubling from 128 tokens (4, the default: the
+    # verify and mixed steps' dense layers over fewer padding tokens; 1: powers of two)
     # (EngineConfig.graph_buckets_per_octave)
+    "bk1": {"graph_buckets_per_octave": 1},
     "bk2": {"graph_buckets_per_octave": 2},
     "bk4": {"graph_buckets_per_octave": 4},
     # sampled graph variants captured at their first use, not at start-up

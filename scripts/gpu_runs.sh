@@ -23,7 +23,8 @@
 #     30,000 x 64, with and without the switches: the refresh layer while drafting
 #     (norefresh), the o / down projections through kernels/linear.py (tlo, tlod; at both
 #     shapes, before they may be on by default); the rounds' verifications in finer token
-#     buckets (bk4: 64 x 9 queries in 640 tokens, not 1,024); `aspire`'s asynchronous steps
+#     buckets (bk4, the default since §8.58: 64 x 9 queries in 640 tokens; bk1 the powers of
+#     two, 1,024; the modes below name bk4 from before); `aspire`'s asynchronous steps
 #     need the real model (random weights' drafts are all rejected: every row verifies one
 #     query a step, §8.56); PDL and the fused merge, on by default, were timed against
 #     nopdl / sepmerge in §8.53 and §8.55)
