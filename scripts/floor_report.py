@@ -158,6 +158,12 @@ def long_gaps(intervals: Iterable[tuple[float, float]], lo: float, hi: float,
 CLOCK_GAP_BUCKETS_MS = (0.01, 0.1, 1.0)  # the graph clock's gaps: <= 10 us, 100 us, 1 ms, longer
 
 
+def replay_stats(ms: list[float]) -> dict:
+    """A group of replays' GPU ms: count, total, mean and median a replay."""
+    return {"replays": len(ms), "busy_ms": sum(ms), "mean_ms": sum(ms) / len(ms),
+            "median_ms": statistics.median(ms)}  # fmt: skip
+
+
 def by_kind(intervals: list, kinds: list[str] | None) -> dict:
     """GPU ms of each step kind's replays (the graph a replay ran: "draft", "verify",
     "async", "decode", ...): count, total, mean and median a replay. A draft step of the
@@ -168,9 +174,7 @@ def by_kind(intervals: list, kinds: list[str] | None) -> dict:
     times: dict[str, list[float]] = {}
     for (b, e, _), kind in zip(intervals, kinds, strict=True):
         times.setdefault(kind, []).append(e - b)
-    return {kind: {"replays": len(ms), "busy_ms": sum(ms), "mean_ms": sum(ms) / len(ms),
-                   "median_ms": statistics.median(ms)}
-            for kind, ms in sorted(times.items())}  # fmt: skip
+    return {kind: replay_stats(ms) for kind, ms in sorted(times.items())}
 
 
 def by_verify_share(intervals: list, kinds: list[str] | None, shapes: list | None) -> dict:
@@ -186,12 +190,9 @@ def by_verify_share(intervals: list, kinds: list[str] | None, shapes: list | Non
         groups.setdefault((kind, share), []).append((e - b, shape))
     out = {}
     for (kind, share), got in sorted(groups.items()):
-        key = f"{kind} <={share}%"
-        ms = [m for m, _ in got]
-        out[key] = {"replays": len(ms), "median_ms": statistics.median(ms),
-                    "mean_ms": sum(ms) / len(ms),
-                    **{f"mean_{name}": sum(sh[i] for _, sh in got) / len(got)
-                       for i, name in enumerate(("verify_rows", "live_rows", "tokens"))}}
+        means = {f"mean_{name}": sum(sh[i] for _, sh in got) / len(got)
+                 for i, name in enumerate(("verify_rows", "live_rows", "tokens"))}  # fmt: skip
+        out[f"{kind} <={share}%"] = {**replay_stats([m for m, _ in got]), **means}
     return out
 
 
