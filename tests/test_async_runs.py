@@ -263,19 +263,19 @@ def test_a_started_run_continues_only_as_started():
                       [[1, 1, 0], [1, 3, 0]], [])  # fmt: skip
     started.learn_starts([track], page_size=4)  # two steps: KV at positions 11 and 12
     assert started.starts == {"a": ([5, 6, 7], 11)} and started.pages == {"a": 4}
-    assert started.continues([row], [track])  # "b" stopped: "a" continues in its place
+    assert started.mismatch([row], [track]) is None  # "b" stopped: "a" continues in its place
 
     def variant(**kw):
         r = RowPlan(**{**row.__dict__, **kw})
-        return started.continues([r], [AsyncTrack(r)])
+        return started.mismatch([r], [AsyncTrack(r)])
 
-    assert not variant(async_gamma=2)  # another draft length
-    assert not variant(num_steps=5)  # another length
-    assert not variant(pages_keep=3)  # a page the started steps used was replaced
-    assert not variant(start_pos=12, verify_after=[5, 6, 7, 8])  # other tokens known
-    assert not variant(req_id="c")  # a row that was not started
+    assert variant(async_gamma=2) == "gamma"  # another draft length
+    assert variant(num_steps=5) == "steps"  # another length
+    assert variant(pages_keep=3) == "pages"  # a page the started steps used was replaced
+    assert variant(start_pos=12, verify_after=[5, 6, 7, 8]) == "start"  # other tokens known
+    assert variant(req_id="c") == "row"  # a row that was not started
     started.starts.clear()  # the last run's tokens were never taken
-    assert not started.continues([row], [track])
+    assert started.mismatch([row], [track]) == "row"
 
 
 @pytest.mark.slow
@@ -296,6 +296,10 @@ def test_runs_started_early_give_the_same_tokens(tiny_model_dir):
     graphs = w.async_graphs
     assert graphs.runs_started >= 4 and graphs.runs_continued >= 2, \
         (graphs.runs_started, graphs.runs_continued)  # fmt: skip
+    # every other started run was dropped for a reason, bar one started after the last plan
+    dropped = sum(graphs.runs_dropped.values())
+    assert graphs.runs_started - graphs.runs_continued - dropped in (0, 1), graphs.runs_dropped
+    print("dropped:", dict(graphs.runs_dropped))
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ token bucket's padding (no KV written, no work item).
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,6 +136,16 @@ class AsyncStepGraphs:
         self.row_ids: list[str | None] = []
         self.started = None  # the next run's first steps, if started (async_runs.Started)
         self.runs_started = self.runs_continued = 0  # runs begun early; of them, continued
+        # the others, by why they were dropped (async_runs.Started.mismatch; "graphs": a table
+        # moved or a step's graph is missing; "host": the plan's run is planned on the host;
+        # "plan": the next plan is no asynchronous run)
+        self.runs_dropped: collections.Counter[str] = collections.Counter()
+
+    def drop_started(self, why: str) -> None:
+        """Forget the run started early (if any), counted in ``runs_dropped`` under ``why``."""
+        if self.started is not None:
+            self.runs_dropped[why] += 1
+            self.started = None
 
     def fits(self, rows: int, layout: list[list[int]], sampled: bool = False) -> bool:
         """Whether a run of ``rows`` rows with these queries per step (``layout[s][r]``) has

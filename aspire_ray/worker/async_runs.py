@@ -127,7 +127,7 @@ def run_async(worker: Any, rows: list[RowPlan]) -> tuple[list[RowResult], float,
     if graphs is not None and graphs.fits(len(rows), layout, sampled):
         return _on_graphs(worker, rows, tracks, layout)
     if graphs is not None:
-        graphs.started = None
+        graphs.drop_started("host")
     wait = refresh = 0.0
     for s in range(steps):  # planned on the host, step by step
         hidden, batch, _ = worker._forward([t.step_row(s) for t in tracks])
@@ -201,15 +201,28 @@ class Started:
             # position at most)
             self.pages[t.req_id] = -(-(start + len(self.layout)) // page_size)
 
-    def continues(self, rows: list[RowPlan], tracks: list[AsyncTrack]) -> bool:
-        """Whether the plan's run is this one (its rows a subset of the started ones, each as
-        started and with the pages it used unchanged): then it finishes on the device."""
-        return all(
-            row.req_id in self.starts and row.async_gamma == self.gammas[row.req_id]
-            and row.num_steps == self.steps and track.kinds == self.kinds[row.req_id]
-            and (row.verify_after, row.start_pos) == self.starts[row.req_id]
-            and row.pages_keep >= self.pages[row.req_id]
-            for row, track in zip(rows, tracks, strict=True))  # fmt: skip
+    def mismatch(self, rows: list[RowPlan], tracks: list[AsyncTrack]) -> str | None:
+        """Why the plan's run is not this one, or None where it is (its rows a subset of the
+        started ones, each as started and with the pages it used unchanged: then it finishes
+        on the device). The reasons, counted in ``AsyncStepGraphs.runs_dropped``: "row" (a row
+        not started), "gamma" (another draft length), "steps" (another run length), "start"
+        (other tokens or position), "kinds" (other steps), "pages" (pages the started steps
+        used were given back)."""
+        for row, track in zip(rows, tracks, strict=True):
+            rid = row.req_id
+            if rid not in self.starts:
+                return "row"
+            if row.async_gamma != self.gammas[rid]:
+                return "gamma"
+            if row.num_steps != self.steps:
+                return "steps"
+            if (row.verify_after, row.start_pos) != self.starts[rid]:
+                return "start"
+            if track.kinds != self.kinds[rid]:
+                return "kinds"
+            if row.pages_keep < self.pages[rid]:
+                return "pages"
+        return None
 
 
 def _on_graphs(worker: Any, rows: list[RowPlan], tracks: list[AsyncTrack],
@@ -263,7 +276,10 @@ def _continue(worker: Any, started: Started | None, rows: list[RowPlan],
     -> (each step's argmax on the device, each step's queries by device row, the device rows'
     requests, the row bucket), else None."""
     graphs = worker.async_graphs
-    if started is None or not started.continues(rows, tracks):
+    if started is None:
+        return None
+    if (why := started.mismatch(rows, tracks)) is not None:
+        graphs.runs_dropped[why] += 1  # (taken off ``graphs.started`` by the caller)
         return None
     layout = [[tracks[by_id[rid]].queries(s) if rid in by_id else 0 for rid in started.row_ids]
               for s in range(steps)]  # fmt: skip
@@ -271,6 +287,7 @@ def _continue(worker: Any, started: Started | None, rows: list[RowPlan],
     gammas = [started.gammas.get(rid, 0) if rid else 0 for rid in started.row_ids]
     keep = [rid in by_id for rid in started.row_ids]
     if not graphs.ready(started.n, layout[head:], worker.kv_caches, gammas, keep):
+        graphs.runs_dropped["graphs"] += 1  # a table moved, or a step's graph is missing
         return None
     graphs.set_rows(started.n, gammas, keep)
     outs = started.outs + graphs.replay(started.n, layout[head:])

@@ -262,8 +262,9 @@ class Worker:
         family ("step", "chain", "verify", "async"), and the plans whose successor's first
         steps started on the device before the host had their tokens ("*_started": async
         runs, greedy rounds, decode chains) and of them those the next plan continued
-        ("*_continued"; the others were dropped and replayed: no overlap for that plan).
-        Empty without graphs."""
+        ("*_continued"; the others were dropped and replayed: no overlap for that plan;
+        "runs_dropped_WHY" by the reason, ``async_runs.Started.mismatch``). Empty without
+        graphs."""
         out = {}
         d, a = self.draft_graphs, self.async_graphs
         families = {"step": self.step_graphs, "chain": d, "verify": d and d.verify, "async": a}
@@ -272,7 +273,8 @@ class Worker:
             out.update(rounds_started=d.rounds_started, rounds_continued=d.rounds_continued,
                        chains_started=d.chains_started, chains_continued=d.chains_continued)
         if a is not None:
-            out.update(runs_started=a.runs_started, runs_continued=a.runs_continued)
+            out.update(runs_started=a.runs_started, runs_continued=a.runs_continued,
+                       **{f"runs_dropped_{why}": k for why, k in sorted(a.runs_dropped.items())})
         return out
 
     def describe(self) -> ShardInfo:
@@ -312,7 +314,7 @@ class Worker:
         for row in plan.rows:
             self.page_table.update(self.requests[row.req_id].slot, row.pages_keep, row.pages_new)
         if self.async_graphs is not None and (not plan.rows or plan.rows[0].async_gamma is None):
-            self.async_graphs.started = None  # a run started early that this plan is not
+            self.async_graphs.drop_started("plan")  # a run started early that this plan is not
         started = None  # a round or decode chain started early: only its own kind continues it
         if self.draft_graphs is not None:
             started, self.draft_graphs.started = self.draft_graphs.started, None
