@@ -280,6 +280,19 @@ def _committed(engine, finished: dict) -> int:
         sum(len(o.token_ids) for o in finished.values())  # fmt: skip
 
 
+def _speculation_state(engine, finished: dict) -> dict[str, int]:
+    """The batch's verifications so far (with drafts; RequestMetrics), the drafts they
+    verified and accepted, and the drafts held unverified now: a window's difference says
+    what its tokens came from, and what work it leaves uncommitted at its end (a run's drafts
+    not yet verified)."""
+    metrics = [r.metrics for r in engine.requests.values()] + \
+        [o.metrics for o in finished.values()]  # fmt: skip
+    return {"verifications": sum(m.verifications for m in metrics),
+            "drafts_verified": sum(sum(m.gamma_history) for m in metrics),
+            "drafts_accepted": sum(m.accepted for m in metrics),
+            "drafts_held": sum(len(r.drafts) for r in engine.requests.values())}
+
+
 def prefill_batch(engine, prompts: list[list[int]],
                   params: SamplingParams | list[SamplingParams],
                   desc: str) -> tuple[list[str], dict]:  # fmt: skip
@@ -328,6 +341,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     graphs_before, process_before = _graph_counters(engine), process_counters()
     committed_before = _committed(engine, finished)
+    spec_before = _speculation_state(engine, finished)
     diagnosis = Diagnosis(engine) if diagnose else None
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
@@ -343,6 +357,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         if elapsed is None and window == "steady" and len(finished) > done_before:
             elapsed = time.perf_counter() - t0
             committed, after = _committed(engine, finished), engine.stats()
+            spec_after = _speculation_state(engine, finished)
             graphs_after, process_after = _graph_counters(engine), process_counters()
             diagnosed = diagnosis.stop() if diagnosis else None
         if bar is not None:
@@ -351,6 +366,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     if elapsed is None:
         elapsed = time.perf_counter() - t0
         committed, after = _committed(engine, finished), engine.stats()
+        spec_after = _speculation_state(engine, finished)
         graphs_after, process_after = _graph_counters(engine), process_counters()
         diagnosed = diagnosis.stop() if diagnosis else None
     if bar is not None:
@@ -360,6 +376,12 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     # in the window: forwards replayed as whole-step graphs by family, and plans whose next
     # one started early on the device / was continued (Worker.graph_counters)
     breakdown["graphs"] = {k: v - graphs_before.get(k, 0) for k, v in graphs_after.items()}
+    # the window's verifications and drafts (``_speculation_state``): its tokens per
+    # verification, and the drafts held unverified at its start and end
+    breakdown["window"] = {
+        **{k: spec_after[k] - spec_before[k] for k in spec_after if k != "drafts_held"},
+        "drafts_held_start": spec_before["drafts_held"],
+        "drafts_held_end": spec_after["drafts_held"], "tokens": committed - committed_before}
     # and what can stall the host or the GPU between launches: Python's garbage collections
     # and their seconds, the CUDA caching allocator's cudaMalloc / cudaFree calls and its
     # retries (a failed cudaMalloc frees the cache after syncing every stream)

@@ -203,7 +203,8 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
     ("before -> after"), busy by phase (and the host's time in those replay calls, when
     recorded: ms past ~0.1 a launch say the launch queue was full), the longest gaps, and per
     host mark the work queued (``queued_at``); GPU ms by step kind (``by_kind``) and, for
-    steps with verify rows, by the share of rows verifying (``by_verify_share``)."""
+    steps with verify rows, by the share of rows verifying (``by_verify_share``); and every
+    replay in order (``replay_sequence``)."""
     intervals = raw["intervals"]
     launches = raw.get("launch_ms") or [None] * len(intervals)
     busy = sum(e - b for b, e, _ in intervals)
@@ -239,7 +240,19 @@ def clock_summary(raw: dict, longest: int = 8) -> dict:
         "by_phase": by_phase,
         "longest": [{"ms": g, "replay": i, "between": key} for g, i, key in gaps[:longest]],
         "host": queued_at(intervals, raw["host"]),
+        "sequence": replay_sequence(intervals, raw.get("kinds"), raw.get("shapes")),
     }
+
+
+def replay_sequence(intervals: list, kinds: list[str] | None, shapes: list | None,
+                    most: int = 4096) -> list[list]:
+    """Each replay in launch order (the first ``most``), for reading a window step by step
+    offline: [begin ms from the first, GPU ms, phase, kind, shape (an asynchronous step's
+    verify rows, live rows, tokens) or None]."""
+    t0 = intervals[0][0] if intervals else 0.0
+    kinds, shapes = kinds or [None] * len(intervals), shapes or [None] * len(intervals)
+    return [[round(b - t0, 4), round(e - b, 4), phase, kind, list(shape) if shape else None]
+            for (b, e, phase), kind, shape in zip(intervals[:most], kinds, shapes, strict=False)]
 
 
 def queued_at(intervals: Sequence[tuple[float, float, str]],

@@ -189,6 +189,13 @@ for r in json.load(open(sys.argv[1]))["results"]:
               f"(min {v['queued_ms_min']:.2f}, max {v['queued_ms_max']:.2f}; {v['count']})"
               + (f", woke {v['wake_latency_ms_median']:.2f} ms after its tokens"
                  if "wake_latency_ms_median" in v else ""))
+    w = b.get("window") or {}  # what the window's tokens came from (bench_decode)
+    if w.get("verifications"):
+        print(f"   window: {w['tokens']} tokens, {w['verifications']} verifications "
+              f"({w['tokens'] / w['verifications']:.2f} tokens each), drafts verified "
+              f"{w['drafts_verified']}, accepted {w['drafts_accepted']}, held at start / end "
+              f"{w['drafts_held_start']} / {w['drafts_held_end']}")
+    print("   graphs:", b.get("graphs"))
     print("   syncs:", b.get("syncs"))
     p = b.get("process") or {}  # collections in the window (gc_at_waits moves them into waits)
     print("   gc:", {g: (p.get(f"gc{g}_collections"), round(1e3 * p.get(f"gc{g}_seconds", 0), 1))

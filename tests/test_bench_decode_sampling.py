@@ -70,3 +70,31 @@ def test_profile_before_the_window_leaves_every_request_whole(tiny_model_dir):
     # before: the window starts after the profiled steps, so it commits fewer of the batch's
     # tokens than the whole decode (48 less the 8 of the first plan, at least)
     assert 0 < before["tokens"] <= 48 - 8
+
+
+@pytest.mark.parametrize("mode", ["ar", "aspire"])
+def test_the_window_says_what_its_tokens_came_from(tiny_model_dir, mode):
+    # decode_run's breakdown["window"]: the window's verifications (with drafts) and the
+    # drafts they verified and accepted; every committed token is a verification's (accepted
+    # drafts + the target's own token) or a plain step's, so the tokens bound them from above;
+    # `ar` verifies no draft and holds none
+    from helpers import random_prompts, scripts_imported
+
+    from aspire_ray import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model_dir("llama"), spec_mode=mode, num_pages=64, calibrate="off",
+              k_min=2, recent_pages=1, page_size=4, gamma=3, d_max=4)  # fmt: skip
+    prompts = random_prompts(3, [20, 28, 36], vocab=256, seed=2)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 30, 36)]
+    with scripts_imported("bench_decode") as (bd,):
+        run = bd.decode_run(llm, prompts, params, "w", window="all")
+    llm.shutdown()
+    w = run["breakdown"]["window"]
+    assert w["tokens"] == run["tokens"] > 0
+    assert w["tokens"] >= w["verifications"] + w["drafts_accepted"]
+    assert w["drafts_verified"] >= w["drafts_accepted"] >= 0
+    assert w["drafts_held_start"] == 0 == w["drafts_held_end"]  # window "all": nothing left
+    if mode == "ar":
+        assert w["verifications"] == w["drafts_verified"] == 0
+    else:
+        assert w["verifications"] > 0 and w["drafts_verified"] >= w["verifications"]

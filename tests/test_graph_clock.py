@@ -142,3 +142,7 @@ def test_steps_with_verify_rows_by_the_share_of_rows_verifying():
     assert s["async_verify <=100%"]["median_ms"] == 26
     # a record without shapes (a round's replays, an older JSON): none
     assert summarize(intervals, kinds=kinds)["by_verify_share"] == {}
+    # and every replay in order, to read the window step by step
+    seq = summarize(intervals, kinds=kinds, shapes=shapes)["sequence"]
+    assert seq[0] == [0.0, 3.0, "async:run", "async", [0, 160, 160]]
+    assert [r[1] for r in seq] == [3.0, 8.0, 13.0, 14.0, 26.0] and seq[4][4] == [160, 160, 1440]
