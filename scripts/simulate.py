@@ -18,7 +18,7 @@ instead of b_model (the host round trip a chain saves); a step of an asynchronou
 holds verify and draft rows adds ``b_mixed`` (``--mixed-step-ms``; 0 by default); the first
 steps of the next run that the worker starts early (``async_overlap_steps``, with the draft
 lengths the run promised) cost their time again where the next plan does not continue them
-(a draft length or run length that changed, a request that left: ``Started.continues``;
+(a draft length or run length that changed, a request that left: ``Started.mismatch``;
 ``early_steps_dropped`` counts them); the driver adds ``host_per_plan`` per plan (scheduling,
 commit, the benchmark loop). ``--costs`` takes
 the coefficients as JSON, an engine's ``stats()`` (or its ``cost_model``), a bench_decode JSON
@@ -172,7 +172,7 @@ class TraceExecutor(Executor):
 
     def _dropped(self, plan: StepPlan) -> float:
         """Seconds of the early-started steps this plan does not continue (the worker replays
-        them, then drops them: ``Started.continues``), taking them off the worker's hands."""
+        them, then drops them: ``Started.mismatch``), taking them off the worker's hands."""
         started, self.started = self.started, None
         if started is None:
             return 0.0
