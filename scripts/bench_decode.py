@@ -280,17 +280,25 @@ def _committed(engine, finished: dict) -> int:
         sum(len(o.token_ids) for o in finished.values())  # fmt: skip
 
 
-def _speculation_state(engine, finished: dict) -> dict[str, int]:
-    """The batch's verifications so far (with drafts; RequestMetrics), the drafts they
-    verified and accepted, and the drafts held unverified now: a window's difference says
-    what its tokens came from, and what work it leaves uncommitted at its end (a run's drafts
-    not yet verified)."""
+def window_state(engine, finished: dict) -> dict[str, int]:
+    """The batch's tokens committed so far, its verifications (with drafts; RequestMetrics),
+    the drafts they verified and accepted, and the drafts held unverified now: two of them
+    (``window_delta``) say what a window's tokens came from, and what work it leaves
+    uncommitted at its end (a run's drafts not yet verified)."""
     metrics = [r.metrics for r in engine.requests.values()] + \
         [o.metrics for o in finished.values()]  # fmt: skip
-    return {"verifications": sum(m.verifications for m in metrics),
+    return {"tokens": _committed(engine, finished),
+            "verifications": sum(m.verifications for m in metrics),
             "drafts_verified": sum(sum(m.gamma_history) for m in metrics),
             "drafts_accepted": sum(m.accepted for m in metrics),
             "drafts_held": sum(len(r.drafts) for r in engine.requests.values())}
+
+
+def window_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """A window's ``window_state`` counts (after less before), the drafts held at its ends."""
+    out = {k: after[k] - before[k] for k in after if k != "drafts_held"}
+    return {**out, "drafts_held_start": before["drafts_held"],
+            "drafts_held_end": after["drafts_held"]}
 
 
 def prefill_batch(engine, prompts: list[list[int]],
@@ -340,8 +348,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         if profile_steps and profile_before else None  # fmt: skip
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     graphs_before, process_before = _graph_counters(engine), process_counters()
-    committed_before = _committed(engine, finished)
-    spec_before = _speculation_state(engine, finished)
+    state_before = window_state(engine, finished)
     diagnosis = Diagnosis(engine) if diagnose else None
     done_before = len(finished)
     bar = _progress(sum(p.max_tokens for p in each), desc)
@@ -356,8 +363,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
                 finished[out.request_id] = out
         if elapsed is None and window == "steady" and len(finished) > done_before:
             elapsed = time.perf_counter() - t0
-            committed, after = _committed(engine, finished), engine.stats()
-            spec_after = _speculation_state(engine, finished)
+            state_after, after = window_state(engine, finished), engine.stats()
             graphs_after, process_after = _graph_counters(engine), process_counters()
             diagnosed = diagnosis.stop() if diagnosis else None
         if bar is not None:
@@ -365,8 +371,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
             bar.refresh()
     if elapsed is None:
         elapsed = time.perf_counter() - t0
-        committed, after = _committed(engine, finished), engine.stats()
-        spec_after = _speculation_state(engine, finished)
+        state_after, after = window_state(engine, finished), engine.stats()
         graphs_after, process_after = _graph_counters(engine), process_counters()
         diagnosed = diagnosis.stop() if diagnosis else None
     if bar is not None:
@@ -376,12 +381,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
     # in the window: forwards replayed as whole-step graphs by family, and plans whose next
     # one started early on the device / was continued (Worker.graph_counters)
     breakdown["graphs"] = {k: v - graphs_before.get(k, 0) for k, v in graphs_after.items()}
-    # the window's verifications and drafts (``_speculation_state``): its tokens per
+    # the window's tokens, verifications and drafts (``window_state``): its tokens per
     # verification, and the drafts held unverified at its start and end
-    breakdown["window"] = {
-        **{k: spec_after[k] - spec_before[k] for k in spec_after if k != "drafts_held"},
-        "drafts_held_start": spec_before["drafts_held"],
-        "drafts_held_end": spec_after["drafts_held"], "tokens": committed - committed_before}
+    breakdown["window"] = window_delta(state_before, state_after)
     # and what can stall the host or the GPU between launches: Python's garbage collections
     # and their seconds, the CUDA caching allocator's cudaMalloc / cudaFree calls and its
     # retries (a failed cudaMalloc frees the cache after syncing every stream)
@@ -390,7 +392,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list
         breakdown.update(diagnosed)
     if kernels is not None:
         breakdown["kernels"] = kernels
-    return {"outs": outs, "seconds": elapsed, "tokens": committed - committed_before,
+    return {"outs": outs, "seconds": elapsed, "tokens": breakdown["window"]["tokens"],
             "breakdown": breakdown, "prefill_s": prefill_s,
             "wall_s": time.perf_counter() - started}
 

@@ -46,6 +46,8 @@ from bench_decode import (
     mode_options,
     prefill_batch,
     summarize,
+    window_delta,
+    window_state,
 )
 from traces import Traces, policy_of, read_json
 
@@ -315,7 +317,7 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
     ids, finished = _prefill(engine, prompt_lens, [len(t) for t in tokens])
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats().items()}
     clock0 = (ex.worker_s, ex.host_s, ex.early_steps_dropped)
-    committed0 = _committed(engine, finished)
+    state0 = window_state(engine, finished)
     first = len(finished)
     end = None
     while engine.has_unfinished():
@@ -323,17 +325,19 @@ def simulate(traces: Traces, mode: str, costs: StepCosts, gamma: int | None = No
             if out.finished:
                 finished[out.request_id] = out
         if end is None and window == "steady" and len(finished) > first:
-            end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats(),
+            end = (ex.worker_s, ex.host_s, window_state(engine, finished), engine.stats(),
                    ex.early_steps_dropped)  # fmt: skip
     if end is None:
-        end = (ex.worker_s, ex.host_s, _committed(engine, finished), engine.stats(),
+        end = (ex.worker_s, ex.host_s, window_state(engine, finished), engine.stats(),
                ex.early_steps_dropped)  # fmt: skip
-    worker, host, committed, after, dropped = end
+    worker, host, state, after, dropped = end
     breakdown = _diff(after, before)
     # simulated time only (the driver's own timings of this run are the simulator's)
     breakdown["timings"] = {"total": worker - clock0[0], "host": host - clock0[1]}
+    # what the window's tokens came from, as bench_decode reports it for a measured window
+    breakdown["window"] = window_delta(state0, state)
     run = {"outs": [finished[r] for r in ids], "seconds": worker + host - clock0[0] - clock0[1],
-           "tokens": committed - committed0, "breakdown": breakdown}
+           "tokens": breakdown["window"]["tokens"], "breakdown": breakdown}
     s = summarize(f"{mode}+oracle" if oracle else mode, run, None)
     s.pop("token_ids")
     s.update(gamma=cfg.spec.gamma if spec_mode in FIXED else None, trace=info,
@@ -371,11 +375,6 @@ def _prefill_named(engine: LLMEngine, prompt_lens: list[int], max_tokens: list[i
                    name: str) -> tuple[list[str], dict]:  # fmt: skip
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     return prefill_batch(engine, [[0] * n for n in prompt_lens], params, name)
-
-
-def _committed(engine, finished: dict) -> int:
-    return sum(len(r.output_token_ids) for r in engine.requests.values()) + \
-        sum(len(o.token_ids) for o in finished.values())  # fmt: skip
 
 
 # ---- step costs from what was measured ----------------------------------------------------------

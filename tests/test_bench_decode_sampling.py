@@ -87,13 +87,13 @@ def test_the_window_says_what_its_tokens_came_from(tiny_model_dir, mode):
     prompts = random_prompts(3, [20, 28, 36], vocab=256, seed=2)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 30, 36)]
     with scripts_imported("bench_decode") as (bd,):
-        run = bd.decode_run(llm, prompts, params, "w", window="all")
+        run = bd.decode_run(llm, prompts, params, "w", window="drain")
     llm.shutdown()
     w = run["breakdown"]["window"]
     assert w["tokens"] == run["tokens"] > 0
     assert w["tokens"] >= w["verifications"] + w["drafts_accepted"]
     assert w["drafts_verified"] >= w["drafts_accepted"] >= 0
-    assert w["drafts_held_start"] == 0 == w["drafts_held_end"]  # window "all": nothing left
+    assert w["drafts_held_start"] == 0 == w["drafts_held_end"]  # window "drain": nothing left
     if mode == "ar":
         assert w["verifications"] == w["drafts_verified"] == 0
     else:

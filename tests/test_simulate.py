@@ -355,6 +355,12 @@ def test_generations_repeated_to_a_length(mods, recorded):
                           num_tokens=60)  # fmt: skip
     # (the window's tokens: the first of each request comes with its prompt)
     assert longer["tokens"] == 59 * len(traces.requests) > short["tokens"]
+    # what they came from, as bench_decode reports a measured window (its verifications and
+    # their drafts); a drained window leaves no draft held
+    w = longer["breakdown"]["window"]
+    assert w["tokens"] == longer["tokens"] and w["verifications"] > 0
+    assert w["drafts_verified"] >= w["drafts_accepted"] > 0
+    assert w["drafts_held_start"] == 0 == w["drafts_held_end"]
     # the recorded acceptance, again and again: about the same accepted length
     assert longer["mean_accepted_length"] == pytest.approx(short["mean_accepted_length"],
                                                            rel=0.25)  # fmt: skip
