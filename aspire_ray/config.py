@@ -114,6 +114,10 @@ class SchedulerConfig:
                  f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
 
 
+# verify slots every second step where no query tile sets them (SpecConfig.verify_quantum)
+DEFAULT_VERIFY_QUANTUM = 2
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings (DESIGN.md §1). Defaults follow the paper."""
@@ -161,8 +165,13 @@ class SpecConfig:
     # 0.970x / 0.951x / 0.930x aspire_fixed/g8 in one run, and SmolLM2 at 8k 1.005x / 0.985x /
     # 0.982x (§8.42), as the simulator predicted (§8.41: in phase Q = 2 allows 1, 3, 5, 7, ...
     # drafts, closer to each request's choice than Q = 4's 3, 7, 11); no slots gave 0.867x
-    # (§8.39). 1: no slots.
-    verify_quantum: int = 2
+    # (§8.39). 1: no slots. None (the default since session 47): the attention's query tile
+    # (``DraftPolicy``'s query_tile, the queries of a row that share one KV read) where it is
+    # 2 to d_max + 1 queries, else 2: rows in phase then draft tile - 1, the longest draft
+    # whose verification reads its KV once, where Q = 2 rounds Qwen2.5's 8 (a 9-query tile)
+    # down to 7. On the real Qwen2.5-Coder-0.5B at 32k x 256 new tokens on an H100, Q = 9
+    # ran 1.053x / 1.055x Q = 2 at batch 160 / 64, and 1.096x / 1.029x specattn/g8 (§8.60).
+    verify_quantum: int | None = None
     # With verify slots: seeded sampled requests' draft lengths move to the slots too. Off by
     # default: a sampled request's tokens follow its draft lengths (a verification's last draw
     # is not a draft's), so with it a seeded request's text also depends on the step it arrived
@@ -264,8 +273,8 @@ class SpecConfig:
         _require(0.0 < self.alpha_init < 1.0,
                  f"alpha_init must be in (0, 1), got {self.alpha_init}")
         _require(0.0 <= self.alpha_ema < 1.0, f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
-        _require(1 <= self.verify_quantum <= 64,
-                 f"verify_quantum must be in [1, 64], got {self.verify_quantum}")
+        _require(self.verify_quantum is None or 1 <= self.verify_quantum <= 64,
+                 f"verify_quantum must be None or in [1, 64], got {self.verify_quantum}")
         _require(self.gamma_pricing in ("homogeneous", "marginal"),
                  f"gamma_pricing must be 'homogeneous' or 'marginal', got {self.gamma_pricing!r}")
         _require(self.alpha_estimator in ("pooled", "per_round"),
@@ -339,6 +348,15 @@ class SpecConfig:
         if self.mode_spec.gamma_rule == "fixed":
             return min(self.gamma, self.max_drafts)
         return self.max_drafts
+
+    def resolved_quantum(self, query_tile: int | None) -> int:
+        """verify_quantum as set, or for None the query tile (queries of a row that share one
+        KV read) where it holds 2 to d_max + 1 queries, else ``DEFAULT_VERIFY_QUANTUM``."""
+        if self.verify_quantum is not None:
+            return self.verify_quantum
+        if query_tile is not None and 2 <= query_tile <= self.d_max + 1:
+            return query_tile
+        return DEFAULT_VERIFY_QUANTUM
 
     @property
     def max_drafts(self) -> int:

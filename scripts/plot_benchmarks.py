@@ -138,11 +138,41 @@ def plot_cost(report: dict, out: Path) -> Path:
     return _save(fig, out / "step_costs.png")
 
 
+def _run_report(spec: str) -> tuple[str, dict]:
+    """LABEL=FILE[:CALL] -> (label, report): a bench_decode JSON, or call CALL's report of a
+    docs JSON that keeps several (``{"calls": [{"command", "report"}]}``)."""
+    label, _, path = spec.partition("=")
+    path, _, call = path.partition(":")
+    data = json.loads(Path(path).read_text())
+    return label, data["calls"][int(call or 0)]["report"] if "calls" in data else data
+
+
+def plot_runs(reports: list[tuple[str, dict]], out: Path, name: str) -> Path:
+    """Decode tokens/s of every mode in each of several runs side by side (one group a run,
+    labelled; a mode a run lacks draws no bar): runs of one session, each ratio within its
+    own group."""
+    modes = list(dict.fromkeys(r["mode"] for _, rep in reports for r in rep["results"]))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    _grouped_bars(ax, [label for label, _ in reports], {
+        mode: [next((r["tokens_per_s"] for r in rep["results"] if r["mode"] == mode), 0)
+               for _, rep in reports] for mode in modes})
+    first = reports[0][1]["results"][0]
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Decode tokens/s per mode and run ({first.get('device')}, context "
+                 f"{first.get('context')})")
+    ax.legend(fontsize=8, ncol=len(modes), loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    return _save(fig, out / f"{name}.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", default=None)
     p.add_argument("--acceptance", default=None)
     p.add_argument("--cost", default=None, help="scripts/bench_cost.py JSON")
+    p.add_argument("--runs", nargs="*", default=[],
+                   help="LABEL=FILE[:CALL] bench_decode reports (a docs JSON of calls: CALL's "
+                        "report, from 0) drawn side by side as --runs-name")
+    p.add_argument("--runs-name", default="runs")
     p.add_argument("--out", default="docs/plots")
     args = p.parse_args()
     out = Path(args.out)
@@ -152,6 +182,8 @@ def main() -> None:
         report = json.loads(Path(args.decode).read_text())
         made += [plot_speedup(report, out), plot_breakdown(report, out),
                  plot_decode_acceptance(report, out)]
+    if args.runs:
+        made.append(plot_runs([_run_report(spec) for spec in args.runs], out, args.runs_name))
     if args.cost:
         made.append(plot_cost(json.loads(Path(args.cost).read_text()), out))
     if args.acceptance:

@@ -48,6 +48,32 @@ def test_align_stays_within_the_query_tile_and_off_for_rounds():
     assert policy("aspire_fixed", 9).align([8, 9], [0, 0], 4, [16, 16]) == [8, 9]
 
 
+def test_the_default_slots_follow_the_query_tile():
+    def quantum(tile, **spec):
+        cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire",
+                                  calibrate="off", **spec).spec  # fmt: skip
+        assert cfg.verify_quantum == spec.get("verify_quantum")  # None: set by the tile
+        return DraftPolicy(cfg, None, 16, 4, tile).cfg.verify_quantum
+
+    # Qwen2.5's 7-head groups in 64-row tiles: 9 queries a KV read, rows in phase draft 8
+    assert quantum(9) == 9
+    policy = DraftPolicy(build_engine_config("dummy", load_format="dummy", spec_mode="aspire",
+                                             calibrate="off").spec, None, 16, 4, 9)  # fmt: skip
+    assert policy.align([8, 6, 11], [0, 0, 0], 9, [16, 16, 16]) == [8, 8, 8]
+    # no tile modelled, one wider than d_max + 1 queries (SmolLM2's 3-head groups: 21) or of
+    # one query: every second step, as before
+    assert quantum(None) == quantum(21) == quantum(1) == 2
+    assert quantum(17) == 17 and quantum(18) == 2  # d_max 16: 17 queries at most
+    assert quantum(21, d_max=20) == 21
+    # set explicitly, it stands whatever the tile
+    assert quantum(9, verify_quantum=4) == 4 and quantum(9, verify_quantum=1) == 1
+    # the engine's policy takes the tile its workers report
+    cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire", calibrate="off",
+                              k_min=3, recent_pages=1)  # fmt: skip
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, info={"query_tile_tokens": 9}))
+    assert engine.scheduler.policy.cfg.verify_quantum == 9
+
+
 def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0, seed: int | None = 1,
                   **spec) -> tuple[list[int], LLMEngine]:  # fmt: skip
     """Decode-step indices of every verification of 4 requests (aspire_fsm: the fake executor
@@ -128,7 +154,8 @@ def test_verify_slots_keep_the_tokens(tiny_model_dir):
         return run_staggered(engine, prompts, params, arrive_every=2), drafted
 
     expected, _ = run("ar")
-    for mode, quantum in (("aspire", 3), ("aspire_fsm", 4)):
+    # 7 = d_max + 1: the default's quantum where the tile holds d_max + 1 queries
+    for mode, quantum in (("aspire", 3), ("aspire_fsm", 4), ("aspire", 7)):
         out, drafted = run(mode, verify_quantum=quantum, async_steps=6)
         assert out == expected, mode
         assert sum(d > 0 for d in drafted) >= 8, drafted  # it drafted and verified

@@ -12,6 +12,7 @@ alpha).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from typing import TYPE_CHECKING
@@ -63,8 +64,10 @@ class Action(enum.Enum):
 class DraftPolicy:
     def __init__(self, cfg: SpecConfig, cost_model: CostModel | None, page_size: int,
                  num_layers: int, query_tile: int | None = None) -> None:  # fmt: skip
-        """query_tile: query tokens of a row that share one KV read (``KVReads``)."""
-        self.cfg = cfg
+        """query_tile: query tokens of a row that share one KV read (``KVReads``); it also
+        sets the verify slots where ``cfg.verify_quantum`` is None (``resolved_quantum``:
+        ``self.cfg`` holds the number every reader of the policy's config sees)."""
+        self.cfg = dataclasses.replace(cfg, verify_quantum=cfg.resolved_quantum(query_tile))
         self.cost_model = cost_model
         self.page_size = page_size
         self.kv_reads = KVReads(num_layers, cfg.refresh_while_drafting, query_tile)
