@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -49,10 +50,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """One prompt's result. During streaming, ``token_ids``/``text`` hold everything so far."""
+    """One prompt's result. During streaming, ``token_ids``/``text`` hold everything so far.
+    ``prompt_token_ids``: a list in finished outputs and in a served stream's outputs; in an
+    unfinished output of ``LLMEngine.step`` the engine's own tuple (not copied each step)."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     token_ids: list[int]
     text: str
     finished: bool

@@ -723,6 +723,9 @@ def main() -> None:
                 params = [dataclasses.replace(params, max_tokens=w.max_tokens) for w in work]
             else:
                 prompts = long_context_prompts(tok, batch, int(ctx))
+            # tuples, which the cyclic collector untracks: lists of 32k ids each, held through
+            # the window, had every generation-2 collection visit each id (§8.60)
+            prompts = [tuple(p) for p in prompts]
             warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, ignore_eos=True)  # fmt: skip
             decode_run(llm, prompts[:WARMUP_REQUESTS], warm, f"warmup-{mode}")

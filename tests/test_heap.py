@@ -67,3 +67,27 @@ def test_a_frozen_heap_is_finalized_at_exit(tmp_path):
                            text=True, timeout=120) for extra in ([], ["no-hook"])]  # fmt: skip
     assert runs[0].returncode == 0 and "leaked" not in runs[0].stderr, runs[0].stderr[-500:]
     assert "leaked" in runs[1].stderr  # the check sees the failure it guards against
+
+
+def test_a_running_prompt_costs_a_collection_nothing(tiny_model_dir):
+    # a collection visits every element of a list it tracks; a request's prompt is a tuple of
+    # ints, which the collector untracks when it first meets it: 160 prompts of 32k tokens as
+    # lists made each generation-2 collection of a decode window ~50 ms (§8.60)
+    llm = LLM(model=tiny_model_dir("llama"), calibrate="off", num_pages=64)
+    try:
+        engine = llm.engine
+        prompt = list(range(5, 45))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                       ignore_eos=True))  # fmt: skip
+        req = engine.requests["r"]
+        gc.collect()
+        assert not gc.is_tracked(req.prompt_token_ids)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        # a finished output's prompt is a list, as the caller gave it
+        assert outs[-1].finished and outs[-1].prompt_token_ids == prompt
+        assert isinstance(outs[-1].prompt_token_ids, list)
+        assert all(tuple(o.prompt_token_ids) == tuple(prompt) for o in outs)
+    finally:
+        llm.shutdown()

@@ -129,7 +129,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         spec = SamplingSpec(float(params.temperature), int(params.top_k), float(params.top_p),
                             seed)
-        req = Request(request_id, ids, params, spec, time.time())
+        req = Request(request_id, tuple(ids), params, spec, time.time())
         req.metrics.prompt_tokens = len(ids)
         req.metrics.arrival_time = req.arrival_time
         self.requests[request_id] = req
@@ -225,7 +225,10 @@ class LLMEngine:
             self.requests.pop(req.req_id, None)
         elif self.stream_text and not req.params.stop:  # (stop strings: decoded at commit)
             req.text = self.detok.update(req.decode_state, req.output_token_ids)
-        return RequestOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
+        # the prompt a list once finished (one copy a request); while it runs, the request's
+        # own tuple (no copy a step; engine_core hands a list with a stream's first output)
+        prompt = list(req.prompt_token_ids) if finished else req.prompt_token_ids
+        return RequestOutput(req.req_id, prompt, list(req.output_token_ids),
                              req.text, finished, req.finish_reason, req.metrics)
 
     def stats(self) -> dict:

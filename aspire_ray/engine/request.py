@@ -25,7 +25,11 @@ class Request:
     tokens whose approximate KV is written for all but the last."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    # a tuple, not a list: the cyclic collector visits every element of a list at each
+    # collection of its generation, and untracks a tuple of ints the first time it sees it;
+    # 160 prompts of 32k tokens as lists made every generation-2 collection in a decode
+    # window ~50 ms (docs/benchmarks.md §8.60)
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     sampling: SamplingSpec
     arrival_time: float
@@ -57,10 +61,10 @@ class Request:
         """(prompt + output)[start:stop] without concatenating the two (O(context) a step)."""
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
-            return self.prompt_token_ids[start:stop]
+            return list(self.prompt_token_ids[start:stop])
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : stop - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: stop - n_prompt]]
 
     @property
     def num_tokens(self) -> int:

@@ -167,6 +167,8 @@ class EngineCore:
             sent = self._tokens_sent.pop(out.request_id, None)
             if sent is not None:  # the prompt went with its first output, the tokens before
                 out.prompt_token_ids, out.token_ids = [], out.token_ids[sent:]
+            else:  # the first: the prompt as a list (the engine's running outputs hold a tuple)
+                out.prompt_token_ids = list(out.prompt_token_ids)
             if not out.finished:
                 self._tokens_sent[out.request_id] = total
         healthy = getattr(engine, "healthy", True)
