@@ -170,7 +170,8 @@ class SpecConfig:
     # 2 to d_max + 1 queries, else 2: rows in phase then draft tile - 1, the longest draft
     # whose verification reads its KV once, where Q = 2 rounds Qwen2.5's 8 (a 9-query tile)
     # down to 7. On the real Qwen2.5-Coder-0.5B at 32k x 256 new tokens on an H100, Q = 9
-    # ran 1.053x / 1.055x Q = 2 at batch 160 / 64, and 1.096x / 1.029x specattn/g8 (§8.60).
+    # ran 1.053x / 1.055x Q = 2 at batch 160 / 64, and 1.096x / 1.029x specattn/g8, whose
+    # steady rounds do the same GPU work (its lead: specattn's window-end round, §8.60).
     verify_quantum: int | None = None
     # With verify slots: seeded sampled requests' draft lengths move to the slots too. Off by
     # default: a sampled request's tokens follow its draft lengths (a verification's last draw
