@@ -153,3 +153,38 @@ def test_decode_chains_started_early_give_the_tokens_of_single_steps(tiny_model_
     assert graphs.chains_continued >= 2, (graphs.chains_started, graphs.chains_continued)
     single = LLMEngine(build_engine_config(model_dir, spec_mode="ar", num_pages=120, ar_chain=1))
     assert overlapped == run_staggered(single, prompts, params, arrive_every=2)
+
+
+@pytest.mark.parametrize("mode", ["specattn", "aspire_fixed"])
+def test_a_request_near_its_end_keeps_the_batchs_round(tiny_model_dir, mode):
+    # requests of different max_tokens in one synchronized batch: one near its limit drafts
+    # the round's length all the same (the commit drops what passes the limit), so that every
+    # decode plan is a whole round, chain and verification; capped to its last tokens, it
+    # split the batch's round into chains without a verification, off the round graphs
+    # (docs/benchmarks.md §8.60). Tokens: `ar`'s, each request exactly its max_tokens.
+    lengths = [7, 11, 13, 23]
+
+    def run(spec_mode):
+        cfg = build_engine_config(tiny_model_dir("llama"), spec_mode=spec_mode,
+                                  max_num_batched_tokens=64, num_pages=120, calibrate="off",
+                                  **SPARSE)  # fmt: skip
+        engine = LLMEngine(cfg)
+        for i, (prompt, n) in enumerate(zip(random_prompts(4, [40, 60], vocab=256, seed=3),
+                                            lengths, strict=True)):  # fmt: skip
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0,
+                                                              ignore_eos=True))  # fmt: skip
+        engine.scheduler.pause_decoding = True  # every prompt first: one batch from then on
+        while any(r.in_prefill or r.num_computed == 0 for r in engine.requests.values()):
+            engine.step()
+        engine.scheduler.pause_decoding = False
+        before = dict(engine.step_kinds)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        kinds = {k: v - before.get(k, 0) for k, v in engine.step_kinds.items()}
+        return [outs[str(i)] for i in range(4)], kinds
+
+    expected, _ = run("ar")
+    out, kinds = run(mode)
+    assert out == expected and [len(t) for t in out] == lengths
+    assert kinds.get("round", 0) > 0 and not kinds.get("draft") and not kinds.get("verify"), kinds

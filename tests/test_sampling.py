@@ -270,11 +270,15 @@ def test_a_large_steps_rows_are_sampled_in_runs_with_the_same_tokens(tiny_model_
         model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or made(hidden)
         return rows
 
-    first = _engine(model_dir, mode, gamma_init=4)
+    # the synchronized modes' rounds plan each draft step and the verification apart (their
+    # chains sample on the device; a request near its end no longer splits a round into
+    # plans of single steps): a verification of 4 rows of 6 queries is a planned step
+    chains = {} if mode == "aspire" else {"draft_chains": False}
+    first = _engine(model_dir, mode, gamma_init=4, **chains)
     rows_whole = logit_rows(first)
     whole = _generate(first, prompts, params)
     monkeypatch.setattr(sampler, "HOST_SAMPLE_ROWS", 5)
-    engine = _engine(model_dir, mode, gamma_init=4)
+    engine = _engine(model_dir, mode, gamma_init=4, **chains)
     worker, runs, steps = engine.executor.worker, [], []
     rows_runs = logit_rows(engine)
     longest_row = worker.cfg.spec.max_drafts + 1  # a verify row's logits, alone in its run

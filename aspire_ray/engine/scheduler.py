@@ -122,9 +122,14 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def draft_cap(self, req: Request) -> int:
-        """Most drafts the request may hold: a verification commits up to d + 1 tokens."""
-        return max(0, min(self.policy.cfg.d_max, req.remaining_tokens - 1,
-                          self.max_model_len - req.num_tokens))
+        """Most drafts the request may hold: a verification commits up to d + 1 tokens, within
+        the context. In the synchronized modes a request near its max_tokens drafts the
+        round's length all the same (the commit drops what passes the limit, ``_append``),
+        so that its last round stays the batch's round: capped, it split every row's round
+        into chains off the round graphs (docs/benchmarks.md §8.60)."""
+        spec = self.policy.cfg
+        left = spec.d_max if spec.synchronized else req.remaining_tokens - 1
+        return max(0, min(spec.d_max, left, self.max_model_len - req.num_tokens))
 
     def schedule(self) -> StepPlan:
         budget = self.cfg.max_num_batched_tokens
