@@ -13,8 +13,8 @@ from helpers import random_prompts, run_staggered
 from aspire_ray import SamplingParams
 from aspire_ray.engine.engine import LLMEngine
 from aspire_ray.llm import build_engine_config
-from aspire_ray.plan import RowKind, async_kinds
-from aspire_ray.spec.draft_policy import DraftPolicy, aligned_gamma
+from aspire_ray.plan import RowKind, async_kinds, held_after
+from aspire_ray.spec.draft_policy import DraftPolicy, aligned_gamma, run_gamma
 
 
 def test_aligned_gamma_lands_the_verification_on_a_slot():
@@ -75,14 +75,17 @@ def test_the_default_slots_follow_the_query_tile():
 
 
 def _verify_steps(quantum: int, async_steps: int, temperature: float = 0.0, seed: int | None = 1,
-                  **spec) -> tuple[list[int], LLMEngine]:  # fmt: skip
+                  tile: int | None = None, **spec) -> tuple[list[int], LLMEngine]:  # fmt: skip
     """Decode-step indices of every verification of 4 requests (aspire_fsm: the fake executor
-    accepts every draft, so the draft lengths grow from 5)."""
+    accepts every draft, so the draft lengths grow from 5; tile: the query tile the worker
+    reports)."""
+    spec = {"fsm_max": 10, "max_num_batched_tokens": 64, **spec}
     cfg = build_engine_config("dummy", load_format="dummy", spec_mode="aspire_fsm",
-                              calibrate="off", fsm_max=10,
-                              async_steps=async_steps, verify_quantum=quantum, k_min=3,
-                              recent_pages=1, max_num_batched_tokens=64, **spec)  # fmt: skip
-    engine = LLMEngine(cfg, executor=FakeExecutor(cfg))
+                              calibrate="off", async_steps=async_steps,
+                              verify_quantum=quantum, k_min=3, recent_pages=1,
+                              **spec)  # fmt: skip
+    info = {} if tile is None else {"query_tile_tokens": tile}
+    engine = LLMEngine(cfg, executor=FakeExecutor(cfg, info=info))
     sched, steps = engine.scheduler, []
     execute = engine.executor.execute
 
@@ -118,6 +121,37 @@ def test_verifications_fall_on_the_slots(async_steps):
     # the last verifications may come early (a request's last tokens cap its drafts)
     assert len(on) > 40 and share(on) >= 0.85, sorted(on)
     assert share(off) < 0.5  # without slots: a third of them by chance
+
+
+def test_a_row_out_of_phase_where_a_cycle_starts_comes_back_in_a_run_or_two():
+    # Qwen2.5's slots (quantum 9 = its query tile: 8 drafts at most). A row holding h drafts
+    # where a cycle starts would need h + 8 to verify on the cycle's slot; aligned_gamma kept
+    # its length and the row verified off the slots in every run after (docs/benchmarks.md
+    # §8.61). run_gamma takes it back: with 5 held, rounds of 6 (off the slot once, then on it)
+    assert aligned_gamma(8, 5, 9, 9, cap=8) == 8  # no slot in one round: kept, off for good
+    assert run_gamma(8, 5, 9, 9, cap=8, steps=9) == 6
+    # in phase, whatever the target: 8, on the slot (the lengths between would verify off it)
+    assert [run_gamma(g, 0, 9, 9, cap=8, steps=9) for g in (1, 3, 8)] == [8, 8, 8]
+    assert run_gamma(0, 3, 9, 9, cap=8, steps=9) == 0  # plain decoding stays plain
+    for held in range(9):  # every state where a cycle starts: in phase within two runs
+        h, offs = held, []
+        for run in range(6):
+            g = run_gamma(8, h, 9 * (run + 1), 9, cap=8, steps=9)
+            kinds = async_kinds(h, g, 9)
+            offs.append(sum(k >= 0 and i != 8 for i, k in enumerate(kinds)))
+            h = held_after(kinds, h)
+        assert sum(offs[2:]) == 0 and h == 0, (held, offs)
+        assert sum(offs) <= 2, (held, offs)
+
+
+def test_rows_that_start_out_of_phase_verify_on_the_slots_of_a_query_tile():
+    # requests that start decoding at different steps hold different drafts where the first
+    # cycle starts; with slots as wide as the query tile (no length of 9 or more drafts) they
+    # still end up verifying on the slots
+    steps, _ = _verify_steps(9, 16, tile=9, fsm_max=8, max_num_batched_tokens=128)
+    late = sorted(steps)[len(steps) // 3:]  # after the first runs
+    on = sum(s % 9 == 8 for s in late) / len(late)
+    assert len(late) > 20 and on >= 0.9, sorted(steps)
 
 
 def test_seeded_sampled_requests_take_the_slots_only_when_asked():

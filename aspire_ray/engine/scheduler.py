@@ -235,14 +235,16 @@ class Scheduler:
         held = [len(r.drafts) for r in reqs]
         keep = [self.policy.keeps_its_target(r, g)
                 for r, g in zip(reqs, gammas, strict=True)] if self.policy.slotted else None
-        now = self.policy.align(gammas, held, self.decode_steps, caps, keep)
+        steps = self._async_length(reqs)
+        now = self.policy.align(gammas, held, self.decode_steps, caps, keep, steps)
         now = [min(promised.get(r.req_id, g), cap) for r, g, cap in zip(reqs, now, caps,
                                                                           strict=True)]
         if spec.verify_quantum > 1:  # per plan, and only with slots: the drafts held then
-            steps = self._async_length(reqs)
             held_next = [held_after(async_kinds(h, g, steps), h)
                          for h, g in zip(held, now, strict=True)]  # fmt: skip
-            gammas = self.policy.align(gammas, held_next, self.decode_steps + steps, caps, keep)
+            start = self.decode_steps + steps
+            gammas = self.policy.align(gammas, held_next, start, caps, keep,
+                                       self._async_length(reqs, start))  # fmt: skip
         for draft_lengths in (now, gammas):
             if sum(max(len(r.drafts), g) + 1
                    for r, g in zip(reqs, draft_lengths, strict=True)) > budget:  # fmt: skip

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from aspire_ray.config import SpecConfig
-from aspire_ray.plan import RowKind, RowPlan
+from aspire_ray.plan import RowKind, RowPlan, async_kinds, held_after
 
 from .acceptance import best_gamma, update_alpha, update_pooled
 from .cost_model import CostModel, KVReads
@@ -53,6 +54,69 @@ def aligned_gamma(gamma: int, held: int, step: int, quantum: int, cap: int) -> i
     if not reachable:
         return min(gamma, cap)
     return min(reachable, key=lambda g: (abs(g - gamma), -g))
+
+
+def run_gamma(gamma: int, held: int, step: int, quantum: int, cap: int, steps: int) -> int:
+    """The draft length of a row through an asynchronous run of ``steps`` steps from decode
+    step ``step`` (the worker keeps it for the whole run, ``async_kinds``), holding ``held``
+    drafts: the one whose verifications fall off the slots the fewest times, in this run and
+    in the runs after it until the row is in phase (``_to_phase``); among those the nearest
+    ``gamma`` (ties: the longer). A row that holds drafts where a cycle starts cannot verify
+    on its slot within one query tile (held + quantum - 1 drafts); ``aligned_gamma`` then kept
+    its length and the row verified off the slots run after run, each such step a mixed one
+    (docs/benchmarks.md §8.61: a third of the five-domain mix's rows, for good). Here it takes
+    one or two runs of shorter rounds back into phase (a length below ``held`` verifies the
+    drafts held at once, then rounds of that length). gamma 0 stays; where no length ever
+    gets into phase (a cap below quantum - 1), ``aligned_gamma``."""
+    if gamma == 0:
+        return 0
+    return _run_gamma(gamma, held, step % quantum, quantum, cap, steps)
+
+
+@functools.lru_cache(maxsize=8192)
+def _run_gamma(gamma: int, held: int, phase: int, quantum: int, cap: int, steps: int) -> int:
+    # a few dozen distinct arguments a plan, two calls a row (this run, the one promised):
+    # cached, on the host's critical path
+    to_phase = _to_phase(quantum, cap)
+    ends_cycle = (phase + steps) % quantum == 0
+    best = None
+    for g in range(1, cap + 1):  # below held: it verifies those at once, then rounds of g
+        off, end = _off_slot(held, g, phase, steps, quantum)
+        cost = off + (to_phase[min(end, cap)] if ends_cycle else 0)
+        key = (cost, abs(g - gamma), -g)
+        if cost < math.inf and (best is None or key < best[0]):
+            best = (key, g)
+    return best[1] if best is not None else aligned_gamma(gamma, held, phase, quantum, cap)
+
+
+@functools.lru_cache(maxsize=4096)
+def _off_slot(held: int, gamma: int, phase: int, steps: int, quantum: int) -> tuple[int, int]:
+    """(verifications off the slots, drafts held after) of a run of ``steps`` steps from a step
+    ``phase`` steps into a slot cycle (slots: phase quantum - 1)."""
+    kinds = async_kinds(held, gamma, steps)
+    off = sum(k >= 0 and (phase + i) % quantum != quantum - 1 for i, k in enumerate(kinds))
+    return off, held_after(kinds, held)
+
+
+@functools.lru_cache(maxsize=256)
+def _to_phase(quantum: int, cap: int) -> tuple[float, ...]:
+    """For each number of drafts held where a slot cycle starts (0..cap): the fewest
+    verifications off the slots before the row is in phase, its runs one cycle each with a
+    draft length of 1..cap each (inf: never). In phase: a length that verifies on the slots
+    only and comes back to where it started (0 held, draft length quantum - 1). A row never
+    holds more than its length after a run, so the states stop at the cap."""
+    cost = [math.inf] * (cap + 1)
+    for h in range(cap + 1):
+        for g in range(1, cap + 1):
+            if _off_slot(h, g, 0, quantum, quantum) == (0, h):
+                cost[h] = 0
+    for _ in range(cap + 1):  # Bellman-Ford: at most cap + 1 runs to a state in phase
+        for h in range(cap + 1):
+            for g in range(1, cap + 1):
+                off, end = _off_slot(h, g, 0, quantum, quantum)
+                if end <= cap:
+                    cost[h] = min(cost[h], off + cost[end])
+    return tuple(cost)
 
 
 class Action(enum.Enum):
@@ -242,11 +306,13 @@ class DraftPolicy:
         return probe or (not req.sampling.greedy and seeded and not free)
 
     def align(self, targets: list[int], held: list[int], step: int, caps: list[int],
-              keep: list[bool] | None = None) -> list[int]:  # fmt: skip
+              keep: list[bool] | None = None, steps: int | None = None) -> list[int]:  # fmt: skip
         """Each draft length moved to the nearest one (ties: the longer) whose next
         verification falls on a verify slot (``SpecConfig.verify_quantum``), for rows that
         hold held[i] drafts at decode step ``step`` (a row verifies at the first step where it
-        holds its draft length). Unchanged: the synchronized modes, a target of 0 (a plain
+        holds its draft length); steps: the asynchronous run's length, where a row keeps its
+        length for the whole run (``run_gamma``: the fewest verifications off the slots until
+        the row is in phase). Unchanged: the synchronized modes, a target of 0 (a plain
         step every step), a row whose cap leaves no slot within reach, a row with keep[i]
         (``keeps_its_target``)."""
         q = self.cfg.verify_quantum
@@ -255,9 +321,16 @@ class DraftPolicy:
         # never past the query tile the target fits in: one more query there reads the KV again
         tile = self.kv_reads.query_tile
         keep = keep or [False] * len(targets)
-        return [g if k else
-                aligned_gamma(g, h, step, q, cap if tile is None else min(cap, max(g, tile - 1)))
-                for g, h, cap, k in zip(targets, held, caps, keep, strict=True)]  # fmt: skip
+        out = []
+        for g, h, cap, k in zip(targets, held, caps, keep, strict=True):
+            cap = cap if tile is None else min(cap, max(g, tile - 1))
+            if k:
+                out.append(g)
+            elif steps is None:
+                out.append(aligned_gamma(g, h, step, q, cap))
+            else:
+                out.append(run_gamma(g, h, step, q, cap, steps))
+        return out
 
     def decide(self, reqs: list[Request], caps: list[int],
                step: int | None = None) -> list[Action]:  # fmt: skip
