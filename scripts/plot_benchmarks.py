@@ -157,9 +157,11 @@ def plot_runs(reports: list[tuple[str, dict]], out: Path, name: str) -> Path:
         mode: [next((r["tokens_per_s"] for r in rep["results"] if r["mode"] == mode), 0)
                for _, rep in reports] for mode in modes})
     first = reports[0][1]["results"][0]
+    contexts = list(dict.fromkeys(str(r.get("context")) for _, rep in reports
+                                  for r in rep["results"]))  # fmt: skip
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Decode tokens/s per mode and run ({first.get('device')}, context "
-                 f"{first.get('context')})")
+                 f"{' / '.join(contexts)})")
     ax.legend(fontsize=8, ncol=len(modes), loc="upper center", bbox_to_anchor=(0.5, -0.15))
     return _save(fig, out / f"{name}.png")
 
