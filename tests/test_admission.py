@@ -90,3 +90,24 @@ def test_lookahead_pages_go_before_any_request_does():
     assert a in sched.running and b in sched.running and sched._unscheduled == [b]
     assert len(b.pages) == exact and len(a.pages) == blocks.pages_for(need_ctx)
     blocks.check()
+
+
+def test_prompt_token_ids_are_checked_at_admission():
+    # every id an integer in [0, vocab): a clear error, no page taken, no request left behind
+    from aspire_ray import InvalidRequestError
+
+    np = pytest.importorskip("numpy")
+    engine = _engine("ar", 64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    bad = [[1, 2.0], [1, "2"], [1, None], [1, -1], [1, 256], [[1], 2], [1, 2**70], [True]]
+    for i, prompt in enumerate(bad):
+        with pytest.raises(InvalidRequestError, match=r"integers in \[0, 256\)"):
+            engine.add_request(f"bad{i}", prompt, params)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", [], params)
+    assert not engine.requests and engine.blocks.num_used == 0
+    # numpy integers pass as the Python ints they hold (an output must serialize as JSON)
+    req = engine.add_request("np", np.arange(5, 37, dtype=np.int32), params)
+    assert req.prompt_token_ids == tuple(range(5, 37))
+    assert all(type(t) is int for t in req.prompt_token_ids)
+    assert engine.add_request("edge", [0, 255], params).prompt_token_ids == (0, 255)
